@@ -1,0 +1,191 @@
+"""The public backward operator: validation, normalisation of input forms, dispatch.
+
+``fused_linear_cross_entropy_loss_grad`` is the vocabulary-parallel linear + cross
+entropy backward (after Ascend's aclnnFusedLinearCrossEntropyLossGrad, with the errata
+of SPEC.md). Its math, in one place:
+
+    G = softmax                                     if softmax is given
+    G = exp(input @ weight.T - logits_max) / sum_exp_logits      otherwise
+    G -= label_smoothing / global_vocab_size                     (every column)
+    G[i, masked_target[i]] -= (1 - label_smoothing) * (1 - target_mask[i])
+    G *= grad[:, None]
+    G  = G.to(input.dtype)
+    grad_input  = G @ weight        # [BT, H]
+    grad_weight = G.T @ input       # [V, H]
+
+Backends implement it tile by tile (``vocab_parallel.kernels.backward``) or chunk by
+chunk (``vocab_parallel.torch_backend``); ``vocab_parallel.reference`` has it in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vocab_parallel import torch_backend
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], dims: tuple[int, ...]):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+    if t.dim() not in dims:
+        want = " or ".join(f"{d}-D" for d in dims)
+        raise ValueError(f"{name}: expected a {want} tensor, got shape {tuple(t.shape)}")
+    return t
+
+
+def _length(name: str, t: torch.Tensor, n: int) -> None:
+    if t.shape[0] != n:
+        raise ValueError(f"{name}: expected length {n} (rows of input), got {t.shape[0]}")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` means Triton on CUDA tensors and the torch backend elsewhere."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+def check_label_smoothing(label_smoothing: object) -> float:
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"label_smoothing: expected a float, got {type(label_smoothing).__name__}")
+    eps = float(label_smoothing)
+    if not (0.0 <= eps < 1.0):
+        raise ValueError(f"label_smoothing: expected 0 <= label_smoothing < 1, got {eps}")
+    return eps
+
+
+def fused_linear_cross_entropy_loss_grad(
+    grad: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target_mask: torch.Tensor,
+    masked_target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    logits_max: torch.Tensor | None = None,
+    sum_exp_logits: torch.Tensor | None = None,
+    softmax: torch.Tensor | None = None,
+    *,
+    global_vocab_size: int | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of the vocabulary-parallel linear + cross entropy for one shard.
+
+    Args:
+        grad: fp32 ``[BT]`` upstream gradient of each token's loss; ``[1]`` or 0-d
+            broadcasts to every row.
+        input: ``[BT, H]`` hidden states, fp16, bf16 or fp32.
+        weight: ``[V, H]`` this shard's rows of the LM head, same dtype as ``input``.
+        target_mask: bit-packed uint8 of at least ``ceil(BT/8)`` bytes (LSB first) or bool
+            ``[BT]``; 1/True means the row's target is not on this shard (or is ignored).
+        masked_target: int32/int64 ``[BT]`` local target column; clamped into ``[0, V-1]``.
+        label_smoothing: ``0 <= eps < 1``; the target distribution is
+            ``(1-eps) * onehot + eps / global_vocab_size``.
+        logits_max, sum_exp_logits: fp32 ``[BT]`` global statistics of the forward;
+            required in memory-saving mode (``softmax`` None), ignored otherwise.
+        softmax: fp32 ``[BT, V]`` saved probabilities (high-performance mode); never
+            modified.
+        global_vocab_size: vocabulary size over all shards, for label smoothing
+            (default ``V``: right without tensor parallelism).
+        backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton for CUDA tensors).
+
+    Returns:
+        ``(grad_input [BT, H], grad_weight [V, H])`` in ``input.dtype``, accumulated in fp32,
+        bitwise deterministic.
+
+    Raises:
+        TypeError, ValueError: naming the offending parameter.
+    """
+    _tensor("input", input, _FLOATS, (2,))
+    _tensor("weight", weight, _FLOATS, (2,))
+    if weight.dtype != input.dtype:
+        raise TypeError(
+            f"weight: dtype {weight.dtype} differs from input dtype {input.dtype}; "
+            "they must be equal"
+        )
+    bt, h = input.shape
+    v = weight.shape[0]
+    if weight.shape[1] != h:
+        raise ValueError(f"weight: expected shape [V, {h}] (H of input), got {tuple(weight.shape)}")
+    _tensor("grad", grad, (torch.float32,), (0, 1))
+    grad = grad.reshape(-1)
+    if grad.shape[0] not in (bt, 1):
+        raise ValueError(f"grad: expected shape [{bt}] or [1], got {tuple(grad.shape)}")
+    _tensor("target_mask", target_mask, (torch.uint8, torch.bool), (1,))
+    packed = target_mask.dtype == torch.uint8
+    if packed and target_mask.shape[0] * 8 < bt:
+        raise ValueError(
+            f"target_mask: bit-packed uint8 mask too short: {target_mask.shape[0]} bytes hold "
+            f"{target_mask.shape[0] * 8} rows, need at least {math.ceil(bt / 8)} bytes for {bt}"
+        )
+    if not packed:
+        _length("target_mask", target_mask, bt)
+    _tensor("masked_target", masked_target, (torch.int32, torch.int64), (1,))
+    _length("masked_target", masked_target, bt)
+    eps = check_label_smoothing(label_smoothing)
+    if global_vocab_size is None:
+        global_vocab_size = v
+    if isinstance(global_vocab_size, bool) or not isinstance(global_vocab_size, int):
+        raise TypeError(
+            f"global_vocab_size: expected an int, got {type(global_vocab_size).__name__}"
+        )
+    if global_vocab_size < max(v, 1):
+        raise ValueError(
+            f"global_vocab_size: expected an int >= V={max(v, 1)}, got {global_vocab_size}"
+        )
+    if softmax is not None:
+        _tensor("softmax", softmax, (torch.float32,), (2,))
+        if tuple(softmax.shape) != (bt, v):
+            raise ValueError(f"softmax: expected shape [{bt}, {v}], got {tuple(softmax.shape)}")
+        stats = {}
+    else:
+        stats = {"logits_max": logits_max, "sum_exp_logits": sum_exp_logits}
+        for name, t in stats.items():
+            if t is None:
+                raise ValueError(
+                    f"{name}: required when softmax is None (memory-saving mode); "
+                    "pass logits_max and sum_exp_logits, or softmax"
+                )
+            _tensor(name, t, (torch.float32,), (1,))
+            _length(name, t, bt)
+    named = {"grad": grad, "weight": weight, "target_mask": target_mask}
+    named |= {"masked_target": masked_target, "softmax": softmax, **stats}
+    for name, t in named.items():
+        if t is not None and t.device != input.device:
+            raise ValueError(
+                f"{name}: on device {t.device}, but input is on {input.device}; "
+                "all tensors must be on one device"
+            )
+    which = resolve_backend(backend, input.device)
+    on_target = 1.0 - eps
+    smooth_all = eps / global_vocab_size
+
+    if which == "triton":
+        from vocab_parallel.kernels import backward as triton_backward
+
+        # The kernel indexes these 1-D tensors with unit stride.
+        mask = (target_mask if packed else target_mask.view(torch.uint8)).contiguous()
+        if softmax is None:
+            logits_max, sum_exp_logits = logits_max.contiguous(), sum_exp_logits.contiguous()
+        return triton_backward.fused_backward(
+            grad, input, weight, mask, packed, masked_target,
+            logits_max, sum_exp_logits, softmax, on_target, smooth_all,
+        )  # fmt: skip
+
+    from vocab_parallel.mask import unpack_target_mask
+
+    not_here = unpack_target_mask(target_mask, bt) if packed else target_mask
+    target = masked_target.to(torch.int64).clamp(0, max(v - 1, 0))
+    return torch_backend.fused_backward(
+        grad, input, weight, not_here, target,
+        logits_max, sum_exp_logits, softmax, on_target, smooth_all,
+    )  # fmt: skip

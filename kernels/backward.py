@@ -273,6 +273,7 @@ def fused_backward(
     softmax: torch.Tensor | None,
     on_target: float,
     smooth_all: float,
+    grad_input_dtype: torch.dtype | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward over vocabulary chunks; inputs are already validated.
@@ -286,7 +287,7 @@ def fused_backward(
     grad_weight = torch.empty((v, h), dtype=x.dtype, device=x.device)
     if bt == 0 or h == 0 or v == 0:
         grad_weight.zero_()
-        return torch.zeros((bt, h), dtype=x.dtype, device=x.device), grad_weight
+        return torch.zeros((bt, h), dtype=grad_input_dtype or x.dtype, device=x.device), grad_weight
 
     has_softmax = softmax is not None
     dummy = grad  # stands in for pointers the chosen mode never reads
@@ -320,4 +321,4 @@ def fused_backward(
         w_chunk = weight[v0 : v0 + n]
         _matmul(g, w_chunk, acc_input, accumulate=v0 > 0)
         _matmul(g.t(), x, grad_weight[v0 : v0 + n], accumulate=False)
-    return acc_input.to(x.dtype), grad_weight
+    return acc_input.to(grad_input_dtype or x.dtype), grad_weight

@@ -77,6 +77,7 @@ def fused_linear_cross_entropy_loss_grad(
     *,
     global_vocab_size: int | None = None,
     backend: str = "auto",
+    grad_input_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of the vocabulary-parallel linear + cross entropy for one shard.
 
@@ -97,6 +98,9 @@ def fused_linear_cross_entropy_loss_grad(
         global_vocab_size: vocabulary size over all shards, for label smoothing
             (default ``V``: right without tensor parallelism).
         backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton for CUDA tensors).
+        grad_input_dtype: dtype of ``grad_input`` (default ``input.dtype``). Pass
+            ``torch.float32`` to get the fp32 accumulator itself, e.g. to sum ``grad_input``
+            over tensor-parallel ranks before rounding it once.
 
     Returns:
         ``(grad_input [BT, H], grad_weight [V, H])`` in ``input.dtype``, accumulated in fp32,
@@ -165,6 +169,10 @@ def fused_linear_cross_entropy_loss_grad(
                 f"{name}: on device {t.device}, but input is on {input.device}; "
                 "all tensors must be on one device"
             )
+    if grad_input_dtype is None:
+        grad_input_dtype = input.dtype
+    if grad_input_dtype not in _FLOATS:
+        raise TypeError(f"grad_input_dtype: expected one of {_FLOATS}, got {grad_input_dtype}")
     which = resolve_backend(backend, input.device)
     on_target = 1.0 - eps
     smooth_all = eps / global_vocab_size
@@ -178,7 +186,7 @@ def fused_linear_cross_entropy_loss_grad(
             logits_max, sum_exp_logits = logits_max.contiguous(), sum_exp_logits.contiguous()
         return triton_backward.fused_backward(
             grad, input, weight, mask, packed, masked_target,
-            logits_max, sum_exp_logits, softmax, on_target, smooth_all,
+            logits_max, sum_exp_logits, softmax, on_target, smooth_all, grad_input_dtype,
         )  # fmt: skip
 
     from vocab_parallel.mask import unpack_target_mask
@@ -187,5 +195,5 @@ def fused_linear_cross_entropy_loss_grad(
     target = masked_target.to(torch.int64).clamp(0, max(v - 1, 0))
     return torch_backend.fused_backward(
         grad, input, weight, not_here, target,
-        logits_max, sum_exp_logits, softmax, on_target, smooth_all,
+        logits_max, sum_exp_logits, softmax, on_target, smooth_all, grad_input_dtype,
     )  # fmt: skip

@@ -41,6 +41,7 @@ def fused_backward(
     softmax: torch.Tensor | None,
     on_target: float,
     smooth_all: float,
+    grad_input_dtype: torch.dtype | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward over vocabulary chunks; inputs already validated.
@@ -54,7 +55,7 @@ def fused_backward(
     grad_weight = torch.empty((v, h), dtype=dtype, device=x.device)
     if bt == 0 or h == 0 or v == 0:
         grad_weight.zero_()
-        return torch.zeros((bt, h), dtype=dtype, device=x.device), grad_weight
+        return torch.zeros((bt, h), dtype=grad_input_dtype or dtype, device=x.device), grad_weight
 
     cdt = compute_dtype(dtype, x.device)
     xc = x.to(cdt)
@@ -82,4 +83,51 @@ def fused_backward(
         g = g.to(dtype).to(cdt)  # round to the input dtype, as the contract says
         acc_input.addmm_(g, wc) if cdt == torch.float32 else acc_input.add_(g @ wc)
         grad_weight[v0:v1] = torch.mm(g.t(), xc)
-    return acc_input.to(dtype), grad_weight
+    return acc_input.to(grad_input_dtype or dtype), grad_weight
+
+
+def forward_stats(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    local_target: torch.Tensor,
+    logits_out: torch.Tensor | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Local ``(max, sum_exp, predicted, logit_sum)`` of ``x @ weight.T``, fp32 ``[BT]``.
+
+    One online pass over vocabulary chunks (same contract as the Triton launcher
+    ``vocab_parallel.kernels.forward.forward_stats``): ``local_target`` is int64, -1 where
+    the target is not on this shard; ``logits_out`` (fp32 ``[BT, V]``) receives the raw
+    logits when given, and then the chunk products are written straight into it.
+    """
+    bt = x.shape[0]
+    v = weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    row_max = torch.full((bt,), float("-inf"), **f32)
+    row_sum = torch.zeros(bt, **f32)
+    pred = torch.zeros(bt, **f32)
+    lsum = torch.zeros(bt, **f32)
+    if bt == 0 or v == 0:
+        return row_max, row_sum, pred, lsum
+    cdt = compute_dtype(x.dtype, x.device)
+    xc = x.to(cdt)
+    here = local_target >= 0
+    cv = chunk_columns(bt, v, chunk_bytes)
+    for v0 in range(0, v, cv):
+        v1 = min(v, v0 + cv)
+        wc = weight[v0:v1].to(cdt)
+        if logits_out is not None and cdt == torch.float32:
+            logits = torch.mm(xc, wc.t(), out=logits_out[:, v0:v1])
+        else:
+            logits = torch.mm(xc, wc.t()).float()
+            if logits_out is not None:
+                logits_out[:, v0:v1] = logits
+        new_max = torch.maximum(row_max, logits.max(dim=1).values)
+        row_sum.mul_(torch.exp(row_max - new_max))
+        row_sum.add_(torch.exp(logits - new_max[:, None]).sum(dim=1))
+        row_max = new_max
+        in_chunk = here & (local_target >= v0) & (local_target < v1)
+        cols = (local_target - v0).clamp(0, v1 - v0 - 1)
+        pred += torch.where(in_chunk, logits.gather(1, cols[:, None]).squeeze(1), 0.0)
+        lsum += logits.sum(dim=1)
+    return row_max, row_sum, pred, lsum

@@ -1,0 +1,166 @@
+"""Triton kernel of the forward statistics of one vocabulary shard.
+
+For every row i of ``logits = x @ W.T`` (this shard's columns only) one online pass over
+vocabulary tiles gives
+
+    local_max[i]  = max_j logits[i, j]
+    local_sum[i]  = sum_j exp(logits[i, j] - local_max[i])
+    predicted[i]  = logits[i, target[i]]   (0 where the target is not on this shard)
+    logit_sum[i]  = sum_j logits[i, j]     (label smoothing needs the mean logit)
+
+so the logits are produced once and never stored (unless high-performance mode asks for
+them, to turn them into the saved softmax). The vocabulary is cut into a fixed number of
+splits that run in parallel; each writes its partial statistics and the launcher merges
+them in a fixed order (deterministic, and bounded memory: ``[splits, BT]``, independent
+of V). Cross-rank reduction belongs to the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vocab_parallel.kernels.backward import _blocks, interpreting
+
+
+@triton.jit
+def _forward_stats_kernel(
+    # Pointers
+    x_ptr,  # [BT, H] input
+    w_ptr,  # [V, H] weight rows of this shard
+    target_ptr,  # [BT] int64 local target column, -1 where not on this shard
+    logits_ptr,  # [BT, V] fp32 raw logits out (only written when STORE_LOGITS)
+    max_ptr,  # [S, BT] fp32 partial max per split
+    sum_ptr,  # [S, BT] fp32 partial sum of exp(logit - partial max)
+    pred_ptr,  # [S, BT] fp32 partial target logit
+    lsum_ptr,  # [S, BT] fp32 partial sum of logits
+    # Sizes
+    BT,
+    H,
+    V,
+    tiles_per_split,
+    # Strides
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_lm,
+    stride_ln,
+    # Meta-parameters
+    STORE_LOGITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < BT
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+
+    run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    pred = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    lsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    first_tile = pid_s * tiles_per_split
+    n_tiles = tl.minimum(tiles_per_split, tl.cdiv(V, BLOCK_N) - first_tile)
+    for t in range(0, n_tiles):
+        cols = (first_tile + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < V
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < H
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
+                mask=col_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            if DOT_FP32:
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        if STORE_LOGITS:
+            tl.store(
+                logits_ptr + rows[:, None] * stride_lm + cols[None, :] * stride_ln,
+                acc,
+                mask=row_ok[:, None] & col_ok[None, :],
+            )
+        # Online max / sum-exp; padding columns count as -inf (exp gives 0).
+        masked = tl.where(col_ok[None, :], acc, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(masked, axis=1))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
+            tl.exp(masked - new_max[:, None]), axis=1
+        )
+        run_max = new_max
+        pred += tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
+        lsum += tl.sum(tl.where(col_ok[None, :], acc, 0.0), axis=1)
+
+    out = pid_s * BT + rows
+    tl.store(max_ptr + out, run_max, mask=row_ok)
+    tl.store(sum_ptr + out, run_sum, mask=row_ok)
+    tl.store(pred_ptr + out, pred, mask=row_ok)
+    tl.store(lsum_ptr + out, lsum, mask=row_ok)
+
+
+def _num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
+    """Vocabulary splits so that the grid fills the device (few when interpreting)."""
+    if interpreting() or device.type != "cuda":
+        return min(n_tiles, 2)  # two splits still exercise the merge
+    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_tiles, triton.cdiv(programs, n_row_blocks)))
+
+
+def forward_stats(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    local_target: torch.Tensor,
+    logits_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Local ``(max, sum_exp, predicted, logit_sum)``, each fp32 ``[BT]``.
+
+    ``local_target`` is int64 ``[BT]``, -1 where the row's target is not on this shard.
+    ``logits_out``, if given, is an fp32 ``[BT, V]`` buffer that receives the raw logits.
+    A shard without columns gives max -inf and zero sums.
+    """
+    bt, h = x.shape
+    v = weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    if bt == 0 or v == 0:
+        return (
+            torch.full((bt,), float("-inf"), **f32),
+            torch.zeros(bt, **f32),
+            torch.zeros(bt, **f32),
+            torch.zeros(bt, **f32),
+        )
+    bm, bn, bk, warps = _blocks(x.dtype)
+    n_tiles = triton.cdiv(v, bn)
+    n_row_blocks = triton.cdiv(bt, bm)
+    splits = _num_splits(n_row_blocks, n_tiles, x.device)
+    tiles_per_split = triton.cdiv(n_tiles, splits)
+    splits = triton.cdiv(n_tiles, tiles_per_split)
+    part = torch.empty((4, splits, bt), **f32)
+    store = logits_out is not None
+    logits = logits_out if store else part
+    _forward_stats_kernel[(n_row_blocks, splits)](
+        x, weight, local_target.contiguous(), logits,
+        part[0], part[1], part[2], part[3],
+        bt, h, v, tiles_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        logits.stride(0) if store else 0, logits.stride(1) if store else 0,
+        STORE_LOGITS=store,
+        DOT_FP32=interpreting() or x.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps,
+    )  # fmt: skip
+    p_max, p_sum, p_pred, p_lsum = part
+    row_max = p_max.max(dim=0).values
+    row_sum = (p_sum * torch.exp(p_max - row_max)).sum(dim=0)
+    return row_max, row_sum, p_pred.sum(dim=0), p_lsum.sum(dim=0)

@@ -1,0 +1,400 @@
+"""Benchmark: the backward operator side by side with a naive PyTorch implementation.
+
+For every case (vocabulary size x mode x dtype) it reports the best time of a few calls,
+the time ratio ours/naive, and the peak memory each implementation needs beyond its
+inputs and outputs (its temporaries). The naive implementation is the formula written
+plainly: full ``[BT, V]`` fp32 logits, softmax, a materialised one-hot, two matmuls.
+
+    python benchmarks/bench_backward.py            # BT=4096, H=1024, V=32768 and 65536
+    python benchmarks/bench_backward.py --quick    # BT=512, H=256, V=4096 and 16384
+
+Memory
+    CPU: every implementation runs in its own fresh subprocess. After the inputs exist
+    (built chunk by chunk, without large temporaries) and a tiny warm-up call, the
+    process's peak RSS is reset (``/proc/self/clear_refs``) and free heap memory is handed
+    back to the OS (``malloc_trim``); the figure is the peak RSS (``VmHWM``) during one
+    call minus the RSS before it, minus the outputs' size. Without ``/proc`` it falls
+    back to the growth of ``ru_maxrss`` (a lower bound).
+    CUDA: ``torch.cuda.max_memory_allocated`` during one call minus the allocated memory
+    before it, minus the outputs' size; all cases run in this process.
+
+Speed
+    CPU: both implementations compute their products in fp32, bf16 inputs included (the
+    torch backend does so because half-precision GEMMs are far slower on most CPUs; a
+    naive bf16 GEMM would be a straw man). ``G`` is rounded to the input dtype in both.
+    CUDA: products in the input dtype; TFLOP/s counts the backward's GEMMs (2 in
+    high-performance mode, 3 in memory-saving mode, which recomputes the logits) and is
+    compared with plain ``torch.matmul`` calls of the same shapes and dtype.
+
+The default shape (BT=4096, H=1024) with V=32768 and a second V of 2x (65536) takes about
+8 minutes on 2 CPU cores; a 4x second V (``--vocab 32768 131072``) would take about 15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MODES = ("memory_saving", "high_performance")
+MIB = 1024 * 1024
+RESULT = "BENCH-RESULT "
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_inputs(bt: int, h: int, v: int, dtype: torch.dtype, mode: str, device, seed=0):
+    """The operator's inputs, built without temporaries larger than a 64 MiB chunk.
+
+    About 10% of the rows are "not here" (target on another shard, or ignored).
+    Statistics are exact (fp32, online over vocabulary chunks); high-performance mode
+    also gets the fp32 softmax ``[BT, V]``.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(bt, h, generator=gen, device=device, dtype=dtype).mul_(2.0 / h**0.5)
+    w = torch.randn(v, h, generator=gen, device=device, dtype=dtype)
+    target = torch.randint(0, v, (bt,), generator=gen, device=device, dtype=torch.int32)
+    not_here = torch.rand(bt, generator=gen, device=device) < 0.1
+    grad = torch.rand(bt, generator=gen, device=device).add_(0.5)
+    cdt = torch.float32 if device.type == "cpu" else dtype
+    xc = x.to(cdt)
+    cols = max(1, min(v, 64 * MIB // max(1, 4 * bt)))
+    lmax = torch.full((bt,), -float("inf"), device=device)
+    sumexp = torch.zeros(bt, device=device)
+    softmax = torch.empty((bt, v), device=device) if mode == "high_performance" else None
+    for v0 in range(0, v, cols):
+        logits = (xc @ w[v0 : v0 + cols].to(cdt).T).float()
+        if softmax is not None:
+            softmax[:, v0 : v0 + cols] = logits
+        new_max = torch.maximum(lmax, logits.max(dim=1).values)
+        sumexp.mul_(torch.exp(lmax - new_max)).add_(logits.sub_(new_max[:, None]).exp_().sum(dim=1))
+        lmax = new_max
+        del logits
+    if softmax is not None:
+        softmax.sub_(lmax[:, None]).exp_().div_(sumexp[:, None])
+    return {
+        "grad": grad,
+        "x": x,
+        "w": w,
+        "not_here": not_here,
+        "target": target,
+        "logits_max": lmax,
+        "sum_exp": sumexp,
+        "softmax": softmax,
+    }
+
+
+# ----------------------------------------------------------------------------- the two sides
+
+
+def naive_loss_grad(grad, x, w, not_here, target, lmax, sumexp, softmax):
+    """The formula written naively: full logits, softmax, one-hot, two matmuls."""
+    cdt = torch.float32 if x.device.type == "cpu" else x.dtype
+    xc, wc = x.to(cdt), w.to(cdt)
+    if softmax is None:
+        logits = (xc @ wc.T).float()
+        probs = torch.exp(logits - lmax[:, None]) / sumexp[:, None]
+    else:
+        probs = softmax
+    here = (~not_here).float()[:, None]
+    onehot = torch.zeros_like(probs).scatter_(1, target.long()[:, None], here)
+    g = ((probs - onehot) * grad[:, None]).to(x.dtype).to(cdt)
+    return (g @ wc).to(x.dtype), (g.T @ xc).to(x.dtype)
+
+
+def make_call(impl: str, inp: dict, mode: str):
+    """A zero-argument callable running ``impl`` ("naive" or a backend name) on ``inp``."""
+    softmax = inp["softmax"] if mode == "high_performance" else None
+    if impl == "naive":
+        return lambda: naive_loss_grad(
+            inp["grad"], inp["x"], inp["w"], inp["not_here"], inp["target"],
+            inp["logits_max"], inp["sum_exp"], softmax,
+        )  # fmt: skip
+    from vocab_parallel import fused_linear_cross_entropy_loss_grad, pack_target_mask
+
+    mask = pack_target_mask(inp["not_here"])
+    stats = {"softmax": softmax}
+    if softmax is None:
+        stats = {"logits_max": inp["logits_max"], "sum_exp_logits": inp["sum_exp"]}
+    return lambda: fused_linear_cross_entropy_loss_grad(
+        inp["grad"], inp["x"], inp["w"], mask, inp["target"], backend=impl, **stats
+    )
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _maxrss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+def _reset_peak_rss() -> bool:
+    """Give free heap back to the OS and reset the peak RSS; False if not possible."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def out_bytes(out) -> int:
+    return sum(t.numel() * t.element_size() for t in out)
+
+
+def measure(call, device: torch.device, repeats: int) -> dict:
+    """Peak extra memory of the first call; best time of ``repeats`` calls, the first included.
+
+    (The first call is timed too: on CPU a call takes seconds at the default shape and
+    nothing is compiled; on CUDA the caller has run a warm-up call before.)
+    """
+    _sync(device)
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        exact = _reset_peak_rss()
+        base = _proc_status_kib("VmRSS") * 1024 if exact else _maxrss_bytes()
+    t0 = time.perf_counter()
+    out = call()
+    _sync(device)
+    times = [time.perf_counter() - t0]
+    if device.type == "cuda":
+        extra = torch.cuda.max_memory_allocated(device) - base
+        method = "cuda.max_memory_allocated"
+    else:
+        extra = (_proc_status_kib("VmHWM") * 1024 if exact else _maxrss_bytes()) - base
+        method = "VmHWM" if exact else "ru_maxrss (lower bound)"
+    outputs = out_bytes(out)
+    norms = [t.double().norm().item() for t in out]
+    del out
+    for _ in range(max(1, repeats) - 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        call()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return {
+        "time_s": min(times),
+        "times_s": times,
+        "extra_bytes": extra,
+        "out_bytes": outputs,
+        "temp_bytes": extra - outputs,
+        "mem_method": method,
+        "norms": norms,
+    }
+
+
+def run_case(case: dict) -> dict:
+    """Build the inputs of one case and measure one implementation on them."""
+    device = torch.device(case["device"])
+    dtype = DTYPES[case["dtype"]]
+    mode, impl = case["mode"], case["impl"]
+    # Warm-up on a tiny problem: library initialisation does not count as the call's memory.
+    tiny = make_inputs(64, 64, 256, dtype, mode, device, seed=1)
+    make_call(impl, tiny, mode)()
+    del tiny
+    inp = make_inputs(case["bt"], case["h"], case["v"], dtype, mode, device, case["seed"])
+    call = make_call(impl, inp, mode)
+    if device.type == "cuda":
+        call()  # compile the Triton kernels outside the measurement
+    return measure(call, device, case["repeats"])
+
+
+def run_matmul(case: dict) -> float:
+    """Best time of plain ``torch.matmul`` calls with the backward's GEMM shapes."""
+    device = torch.device(case["device"])
+    dtype = DTYPES[case["dtype"]]
+    bt, h, v = case["bt"], case["h"], case["v"]
+    x = torch.randn(bt, h, device=device, dtype=dtype)
+    w = torch.randn(v, h, device=device, dtype=dtype)
+    g = torch.randn(bt, v, device=device, dtype=dtype)
+
+    def call():
+        if case["mode"] == "memory_saving":
+            torch.matmul(x, w.T)  # the recompute of the logits
+        torch.matmul(g, w)
+        torch.matmul(g.T, x)
+
+    call()
+    return measure(call, device, case["repeats"])["time_s"]
+
+
+def in_subprocess(case: dict) -> dict:
+    """``run_case`` in a fresh Python process: its peak RSS is this case's alone."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(case)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT) :])
+    sys.stderr.write(proc.stdout + proc.stderr)
+    raise RuntimeError(f"benchmark subprocess failed (exit {proc.returncode}) for {case}")
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def gemm_flops(bt: int, h: int, v: int, mode: str) -> float:
+    return 2.0 * bt * h * v * (3 if mode == "memory_saving" else 2)
+
+
+def table(rows: list[dict], cuda: bool) -> str:
+    head = ["V", "mode", "dtype", "backend", "ours ms", "naive ms", "ours/naive"]
+    head += ["ours temp MiB", "naive temp MiB", "outputs MiB"]
+    if cuda:
+        head += ["ours TFLOP/s", "naive TFLOP/s", "matmul TFLOP/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        o, n = r["ours"], r["naive"]
+        cells = [
+            str(r["v"]), r["mode"], r["dtype"], r["backend"],
+            f"{o['time_s'] * 1e3:.0f}", f"{n['time_s'] * 1e3:.0f}",
+            f"{o['time_s'] / n['time_s']:.2f}",
+            f"{o['temp_bytes'] / MIB:.0f}", f"{n['temp_bytes'] / MIB:.0f}",
+            f"{o['out_bytes'] / MIB:.0f}",
+        ]  # fmt: skip
+        if cuda:
+            flops = gemm_flops(r["bt"], r["h"], r["v"], r["mode"])
+            cells += [f"{flops / t / 1e12:.1f}" for t in (o["time_s"], n["time_s"], r["matmul_s"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Time and peak memory of the backward operator vs a naive implementation.",
+        epilog="Defaults: BT=4096 H=1024 V=32768,65536; --quick: BT=512 H=256 V=4096,16384.",
+    )
+    p.add_argument("--quick", action="store_true", help="a small shape (seconds, not minutes)")
+    p.add_argument("--bt", type=int, help="tokens (default 4096; --quick 512)")
+    p.add_argument("--hidden", type=int, help="hidden size H (default 1024; --quick 256)")
+    p.add_argument("--vocab", type=int, nargs="+", help="vocabulary sizes V of the shard")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument(
+        "--more-v-modes", nargs="+", choices=MODES, default=["memory_saving"],
+        help="modes run for every V after the first (default: memory_saving, whose peak "
+        "must not grow with V; the first V runs all --modes)",
+    )  # fmt: skip
+    p.add_argument(
+        "--backends", nargs="+", choices=("torch", "triton"),
+        help="operator backends (default: triton on CUDA, torch on CPU)",
+    )  # fmt: skip
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--repeats", type=int, help="timed calls, best shown (CPU 2, CUDA 10); the first "
+        "of them also measures memory",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the raw results to this file")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.bt = args.bt or (512 if args.quick else 4096)
+    args.hidden = args.hidden or (256 if args.quick else 1024)
+    args.vocab = args.vocab or ([4096, 16384] if args.quick else [32768, 65536])
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print(RESULT + json.dumps(run_case(json.loads(args.child))), flush=True)
+        return 0
+    name = args.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench: --device cuda requested but CUDA is not available")
+    cuda = name == "cuda"
+    if cuda:
+        where = torch.cuda.get_device_name()
+    else:
+        where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    backends = args.backends or (["triton"] if cuda else ["torch"])
+    repeats = args.repeats or (10 if cuda else 2)
+    if not cuda and "triton" in backends:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # for the subprocesses
+    print(f"# bench_backward: {name} ({where}), torch {torch.__version__}")
+    print(f"# BT={args.bt} H={args.hidden} V={args.vocab}, best of {repeats} calls")
+    rows, failures = [], []
+    t_start = time.perf_counter()
+    for v in args.vocab:
+        modes = args.modes if v == args.vocab[0] else args.more_v_modes
+        for mode in [m for m in MODES if m in modes]:
+            for dt in args.dtypes:
+                base = {"device": name, "bt": args.bt, "h": args.hidden, "v": v, "mode": mode}
+                base |= {"dtype": dt, "repeats": repeats, "seed": args.seed}
+                run = run_case if cuda else in_subprocess
+                naive = run(base | {"impl": "naive"})
+                matmul_s = run_matmul(base) if cuda else None
+                for b in backends:
+                    ours = run(base | {"impl": b})
+                    row = {"v": v, "mode": mode, "dtype": dt, "backend": b, "bt": args.bt}
+                    row |= {"h": args.hidden, "ours": ours, "naive": naive, "matmul_s": matmul_s}
+                    rows.append(row)
+                    # Sanity: both sides compute the same gradients.
+                    for a, c, what in zip(
+                        ours["norms"], naive["norms"], ("input", "weight"), strict=True
+                    ):
+                        if abs(a - c) > 1e-2 * max(abs(c), 1e-30):
+                            failures.append(f"{v} {mode} {dt} {b}: |grad_{what}| {a} vs {c}")
+                    print(
+                        f"#   V={v} {mode} {dt} {b}: ours {ours['time_s'] * 1e3:.0f} ms, "
+                        f"naive {naive['time_s'] * 1e3:.0f} ms "
+                        f"({time.perf_counter() - t_start:.0f} s elapsed)",
+                        flush=True,
+                    )
+    method = rows[0]["ours"]["mem_method"] if rows else "-"
+    print()
+    print(table(rows, cuda))
+    print()
+    print(
+        f"Times: best of {repeats} calls. temp MiB: peak memory of one call beyond its inputs "
+        f"and outputs ({method}). outputs MiB: grad_input + grad_weight (same for both)."
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": where, "rows": rows}, f, indent=1)
+    if failures:
+        print("\nMISMATCH between the operator and the naive implementation:")
+        print("\n".join(failures))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -83,6 +83,7 @@ def fused_backward(
         g = g.to(dtype).to(cdt)  # round to the input dtype, as the contract says
         acc_input.addmm_(g, wc) if cdt == torch.float32 else acc_input.add_(g @ wc)
         grad_weight[v0:v1] = torch.mm(g.t(), xc)
+        del g  # free this chunk before the next one is allocated
     return acc_input.to(grad_input_dtype or dtype), grad_weight
 
 
@@ -122,12 +123,19 @@ def forward_stats(
             logits = torch.mm(xc, wc.t()).float()
             if logits_out is not None:
                 logits_out[:, v0:v1] = logits
-        new_max = torch.maximum(row_max, logits.max(dim=1).values)
-        row_sum.mul_(torch.exp(row_max - new_max))
-        row_sum.add_(torch.exp(logits - new_max[:, None]).sum(dim=1))
-        row_max = new_max
         in_chunk = here & (local_target >= v0) & (local_target < v1)
         cols = (local_target - v0).clamp(0, v1 - v0 - 1)
         pred += torch.where(in_chunk, logits.gather(1, cols[:, None]).squeeze(1), 0.0)
         lsum += logits.sum(dim=1)
+        new_max = torch.maximum(row_max, logits.max(dim=1).values)
+        row_sum.mul_(torch.exp(row_max - new_max))
+        # exp in place unless the raw logits must be kept (high-performance mode).
+        shifted = (
+            logits.sub(new_max[:, None])
+            if logits_out is not None
+            else logits.sub_(new_max[:, None])
+        )
+        row_sum.add_(shifted.exp_().sum(dim=1))
+        row_max = new_max
+        del logits, shifted  # free this chunk before the next one is allocated
     return row_max, row_sum, pred, lsum

@@ -5,7 +5,7 @@ the time ratio ours/naive, and the peak memory each implementation needs beyond 
 inputs and outputs (its temporaries). The naive implementation is the formula written
 plainly: full ``[BT, V]`` fp32 logits, softmax, a materialised one-hot, two matmuls.
 
-    python benchmarks/bench_backward.py            # BT=4096, H=1024, V=32768 and 65536
+    python benchmarks/bench_backward.py            # BT=4096, H=1024, V=32768 and 131072
     python benchmarks/bench_backward.py --quick    # BT=512, H=256, V=4096 and 16384
 
 Memory
@@ -26,8 +26,10 @@ Speed
     high-performance mode, 3 in memory-saving mode, which recomputes the logits) and is
     compared with plain ``torch.matmul`` calls of the same shapes and dtype.
 
-The default shape (BT=4096, H=1024) with V=32768 and a second V of 2x (65536) takes about
-8 minutes on 2 CPU cores; a 4x second V (``--vocab 32768 131072``) would take about 15.
+Default cases: BT=4096, H=1024; V=32768 in both modes, and V=131072 (4x) in memory-saving
+mode only (the mode whose peak must not grow with V; ``--more-v-modes`` adds the other).
+About 6 minutes on 2 idle CPU cores. ``--quick`` is a smoke run: at its BT=512 one chunk of
+the torch backend covers the whole vocabulary, so its peak does grow with V there.
 """
 
 from __future__ import annotations
@@ -165,6 +167,13 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (OSError, AttributeError):
+        return "n/a"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -297,7 +306,7 @@ def table(rows: list[dict], cuda: bool) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Time and peak memory of the backward operator vs a naive implementation.",
-        epilog="Defaults: BT=4096 H=1024 V=32768,65536; --quick: BT=512 H=256 V=4096,16384.",
+        epilog="Defaults: BT=4096 H=1024 V=32768,131072; --quick: BT=512 H=256 V=4096,16384.",
     )
     p.add_argument("--quick", action="store_true", help="a small shape (seconds, not minutes)")
     p.add_argument("--bt", type=int, help="tokens (default 4096; --quick 512)")
@@ -325,7 +334,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.bt = args.bt or (512 if args.quick else 4096)
     args.hidden = args.hidden or (256 if args.quick else 1024)
-    args.vocab = args.vocab or ([4096, 16384] if args.quick else [32768, 65536])
+    args.vocab = args.vocab or ([4096, 16384] if args.quick else [32768, 131072])
     return args
 
 
@@ -350,6 +359,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # for the subprocesses
     print(f"# bench_backward: {name} ({where}), torch {torch.__version__}")
     print(f"# BT={args.bt} H={args.hidden} V={args.vocab}, best of {repeats} calls")
+    print(f"# load average before: {_loadavg()} (other work on the machine skews the times)")
     rows, failures = [], []
     t_start = time.perf_counter()
     for v in args.vocab:
@@ -378,6 +388,7 @@ def main(argv=None) -> int:
                         f"({time.perf_counter() - t_start:.0f} s elapsed)",
                         flush=True,
                     )
+    print(f"# load average after: {_loadavg()}, {time.perf_counter() - t_start:.0f} s in all")
     method = rows[0]["ours"]["mem_method"] if rows else "-"
     print()
     print(table(rows, cuda))

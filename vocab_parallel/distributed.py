@@ -25,6 +25,17 @@ def all_reduce(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None) -
     return tensor
 
 
+def shard_bounds(vocab: int, world: int) -> list[tuple[int, int]]:
+    """Uneven contiguous shards in rank order: the first ``vocab % world`` get one more row."""
+    base, extra = divmod(vocab, world)
+    bounds, start = [], 0
+    for r in range(world):
+        size = base + (1 if r < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     """Where this rank's rows sit in the global vocabulary."""

@@ -109,7 +109,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         return grad_input, grad_weight, None, None, None, None, None, None, None
 
 
-def _check_options(ignore_index, reduction, label_smoothing, mode, backend, vocab_start_index):
+def check_options(ignore_index, reduction, label_smoothing, mode, backend, vocab_start_index):
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
     if reduction not in REDUCTIONS:
@@ -163,7 +163,7 @@ def vocab_parallel_linear_cross_entropy(
     Returns:
         The fp32 loss (a scalar, or per token for ``reduction="none"``).
     """
-    eps = _check_options(ignore_index, reduction, label_smoothing, mode, backend, vocab_start_index)
+    eps = check_options(ignore_index, reduction, label_smoothing, mode, backend, vocab_start_index)
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
     if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -228,7 +228,7 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        _check_options(ignore_index, reduction, label_smoothing, mode, backend, vocab_start_index)
+        check_options(ignore_index, reduction, label_smoothing, mode, backend, vocab_start_index)
         self.options = dict(
             process_group=process_group,
             vocab_start_index=vocab_start_index,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from vocab_parallel.distributed import shard_bounds
 from vocab_parallel.loss import vocab_parallel_linear_cross_entropy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,17 +61,6 @@ def grid(
         tokens, hidden, vocab, dtypes, modes, reductions, label_smoothing, backends, layouts
     )
     return [Case(*c) for c in combos]
-
-
-def shard_bounds(vocab: int, world: int) -> list[tuple[int, int]]:
-    """Uneven contiguous shards in rank order: the first ``vocab % world`` get one more row."""
-    base, extra = divmod(vocab, world)
-    bounds, start = [], 0
-    for r in range(world):
-        size = base + (1 if r < extra else 0)
-        bounds.append((start, start + size))
-        start += size
-    return bounds
 
 
 def _problem(case: Case, device: torch.device):

@@ -103,6 +103,32 @@ class VocabParallelLMHead(nn.Module):
         head.load_full_weight_(weight)
         return head
 
+    @classmethod
+    def from_shard(
+        cls,
+        weight: nn.Parameter,
+        vocab_size: int,
+        vocab_start_index: int,
+        process_group: dist.ProcessGroup | None = None,
+        **options,
+    ) -> VocabParallelLMHead:
+        """A head around an existing shard parameter (no copy), e.g. another framework's
+        tensor-parallel LM head; its gradient then lands in that same parameter."""
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            raise TypeError("weight: expected a 2-D nn.Parameter [rows, hidden_size]")
+        head = cls(
+            weight.shape[1],
+            vocab_size,
+            process_group=process_group,
+            vocab_start_index=vocab_start_index,
+            vocab_end_index=vocab_start_index + weight.shape[0],
+            dtype=weight.dtype,
+            device="meta",  # no throw-away allocation: the parameter is replaced below
+            **options,
+        )
+        head.weight = mark_tensor_parallel(weight)
+        return head
+
     @torch.no_grad()
     def load_full_weight_(self, weight: torch.Tensor) -> None:
         """Copy this rank's rows of a full ``[vocab_size, hidden_size]`` weight (e.g. from

@@ -1,0 +1,143 @@
+"""A small GPT-style causal LM whose LM head is a :class:`VocabParallelLMHead`.
+
+It is what ``launch/train.py`` trains and what the integration tests compare: the body
+(embeddings, pre-norm transformer blocks) is replicated on the ranks of the
+tensor-parallel group, the head's vocabulary is sharded over it. ``head="unsharded"``
+swaps in an ordinary ``nn.Linear``-style head with ``F.cross_entropy`` on full logits,
+initialised to the very same weights, for side-by-side checks.
+
+Initialisation is a function of the seed only, never of the parallel layout: the body
+from ``torch.manual_seed(seed)``, the head weight block by block from seeded generators
+(each rank draws only the blocks of its own rows), so TP 1, 2 or 8 start identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from vocab_parallel.lm_head import VocabParallelLMHead
+
+_HEAD_INIT_BLOCK = 1024  # rows per seeded block of the head's initial weight
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 8192
+    context: int = 64
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_ratio: int = 4
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model),
+            nn.GELU(),
+            nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class UnshardedHead(nn.Module):
+    """The reference head: full ``[vocab, d]`` weight, full logits, ``F.cross_entropy``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        *,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight).float()
+        return F.cross_entropy(
+            logits.flatten(0, -2),
+            target.flatten(),
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+        )
+
+
+def init_head_rows(weight: torch.Tensor, start: int, seed: int) -> None:
+    """Fill ``weight`` with rows ``[start, start + len(weight))`` of the seeded full init."""
+    rows, d = weight.shape
+    first, last = start // _HEAD_INIT_BLOCK, (start + rows - 1) // _HEAD_INIT_BLOCK
+    with torch.no_grad():
+        for block in range(first, last + 1):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + block)
+            values = torch.randn(_HEAD_INIT_BLOCK, d, generator=g) * d**-0.5
+            lo = max(start, block * _HEAD_INIT_BLOCK)
+            hi = min(start + rows, (block + 1) * _HEAD_INIT_BLOCK)
+            b0 = block * _HEAD_INIT_BLOCK
+            weight[lo - start : hi - start] = values[lo - b0 : hi - b0].to(weight.dtype)
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``n_layers`` blocks, final norm, then the LM head.
+
+    ``forward(idx [B, T], targets [B, T]) -> loss`` (mean over non-ignored tokens).
+    """
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        *,
+        seed: int = 0,
+        head: str = "vocab_parallel",
+        tp_group: dist.ProcessGroup | None = None,
+        **head_options,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        torch.manual_seed(seed)
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.context, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        if head == "vocab_parallel":
+            self.head = VocabParallelLMHead(
+                cfg.d_model, cfg.vocab_size, process_group=tp_group, **head_options
+            )
+            start = self.head.vocab_start_index
+        elif head == "unsharded":
+            keep = ("ignore_index", "label_smoothing")  # the rest concern our kernels only
+            options = {k: v for k, v in head_options.items() if k in keep}
+            self.head = UnshardedHead(cfg.d_model, cfg.vocab_size, **options)
+            start = 0
+        else:
+            raise ValueError(f"head: expected 'vocab_parallel' or 'unsharded', got {head!r}")
+        init_head_rows(self.head.weight, start, seed)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x), targets)

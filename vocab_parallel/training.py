@@ -1,0 +1,139 @@
+"""A plain-PyTorch optimizer step for a model whose LM head is sharded over a TP group.
+
+What data and tensor parallelism need from a training step, without DDP or DeepSpeed:
+
+- gradients averaged over the data-parallel group, in one fp32 bucket (one all-reduce in
+  a fixed order: deterministic, and correct for bf16 models on gloo, which has no bf16
+  collectives; the mean is also not rounded to bf16 before the optimizer sees it);
+- a gradient norm for clipping that counts every parameter once: the vocabulary shards
+  (``tensor_model_parallel`` attribute, see :func:`vocab_parallel.lm_head.mark_tensor_parallel`)
+  are summed over the TP group, the body, replicated on every TP rank, is counted once;
+- AdamW on fp32 master weights when the model itself is in bf16 (as DeepSpeed's bf16 mode
+  does), copied back into the model after each step.
+
+Every TP rank of a DP replica sees the same batch and, since the loss all-reduces the
+input gradient, computes the same body gradients: the replicated body stays bitwise in
+sync, which :func:`replicas_in_sync` checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vocab_parallel.distributed import world_size
+from vocab_parallel.parallel import ParallelGroups
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def tp_grad_norm(
+    grads: list[torch.Tensor], sharded: list[bool], tp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """L2 norm of the whole model's gradient: ``sharded`` ones summed over ``tp_group``."""
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(2)]
+    for g, is_shard in zip(grads, sharded, strict=True):
+        sq[is_shard] += g.float().pow(2).sum()
+    if world_size(tp_group) > 1:
+        dist.all_reduce(sq[1], group=tp_group)
+    return (sq[0] + sq[1]).sqrt()
+
+
+class TorchEngine:
+    """DP gradient averaging, TP-aware clipping and AdamW for ``model`` (see module doc).
+
+    ``loss = model(x, y); loss.backward(); grad_norm = engine.step(lr)``.
+    Weight decay applies to matrices and embeddings only, not to biases and norms.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: ParallelGroups,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        grad_clip: float = 1.0,
+    ) -> None:
+        self.model, self.groups, self.grad_clip = model, groups, grad_clip
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sharded = [is_tensor_parallel(p) for p in self.params]
+        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        if self.mixed:
+            self.master = [p.detach().float().clone() for p in self.params]
+        else:
+            self.master = self.params
+        decay = [m for m, p in zip(self.master, self.params, strict=True) if p.dim() >= 2]
+        no_decay = [m for m, p in zip(self.master, self.params, strict=True) if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=lr,
+            betas=betas,
+            eps=eps,
+        )
+
+    def step(self, lr: float) -> float:
+        """Average, clip and apply the gradients of the last backward; returns the norm
+        before clipping. Clears the gradients."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        if self.groups.dp_size > 1:
+            dist.all_reduce(flat, group=self.groups.dp_group)
+            flat.div_(self.groups.dp_size)
+        views = flat.split([p.numel() for p in self.params])
+        norm = tp_grad_norm(views, self.sharded, self.groups.tp_group)
+        scale = 1.0
+        if self.grad_clip and self.grad_clip > 0:
+            scale = min(1.0, self.grad_clip / (norm.item() + 1e-6))
+        for m, v in zip(self.master, views, strict=True):
+            m.grad = v.view_as(m).mul_(scale) if scale != 1.0 else v.view_as(m)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master, strict=True):
+                if p is not m:
+                    p.copy_(m)
+                p.grad = None
+                m.grad = None
+        return norm.item()
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.mixed:
+            state["master"] = [m.clone() for m in self.master]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.mixed:
+            with torch.no_grad():
+                for m, saved, p in zip(self.master, state["master"], self.params, strict=True):
+                    m.copy_(saved)
+                    p.copy_(saved)
+
+
+def replicas_in_sync(model: nn.Module, group: dist.ProcessGroup | None) -> bool:
+    """Whether the parameters that should be replicated over ``group`` (all but the
+    tensor-parallel shards) are bitwise equal on its ranks (collective)."""
+    if world_size(group) == 1:
+        return True
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if not is_tensor_parallel(p):
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digests = [None] * world_size(group)
+    dist.all_gather_object(digests, h.hexdigest(), group=group)
+    return len(set(digests)) == 1

@@ -1,0 +1,1 @@
+"""Integrations of the vocabulary-parallel head with training frameworks (imported lazily)."""

@@ -709,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info(f"step {step}: validation loss {losses[0]:.4f}{extra}")
 
     tokens_per_step = o["batch_size"] * o["context"] * groups.dp_size
+    term = shutil.get_terminal_size((0, 0))
+    sized = term.columns > 0 and term.lines > 0
     bar = tqdm(
         total=o["steps"],
         initial=start,
@@ -716,8 +718,10 @@ def main(argv: list[str] | None = None) -> int:
         disable=rank != 0,
         file=sys.stdout if INTERACTIVE else _BarLines(),
         mininterval=0.5 if INTERACTIVE else 30.0,
-        dynamic_ncols=INTERACTIVE and shutil.get_terminal_size((0, 0)).columns > 0,
-        ncols=shutil.get_terminal_size((100, 20)).columns if INTERACTIVE else 100,
+        # A terminal of unknown size (0 x 0, e.g. a pty without a window) would hide the bar.
+        dynamic_ncols=INTERACTIVE and sized,
+        ncols=None if INTERACTIVE and sized else 100,
+        nrows=None if sized else 20,
     )
     timed_steps, timed_seconds = 0, 0.0
     if o["check_against_unsharded"] and start == 0:

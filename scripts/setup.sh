@@ -77,8 +77,10 @@ fi
 torch_version="$("$VPY" -c "import torch; print(torch.__version__)")"
 echo "torch==$torch_version" >"$CONSTRAINTS"
 
-log "pip install -e '.[test]' (torch $torch_version)"
-pip_q install -c "$CONSTRAINTS" -e '.[test]'
+# DeepSpeed (for its plug-in and tests) is installed without pre-building its C++ ops
+# (DS_BUILD_OPS=0): the few it uses are JIT-compiled on first use and cached.
+log "pip install -e '.[test,deepspeed]' (torch $torch_version)"
+DS_BUILD_OPS=0 pip_q install -c "$CONSTRAINTS" -e '.[test,deepspeed]'
 
 "$VPY" -c "import torch, vocab_parallel"
 echo "$want_stamp" >"$STAMP"

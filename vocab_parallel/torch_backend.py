@@ -82,7 +82,10 @@ def fused_backward(
         g.mul_(scale)
         g = g.to(dtype).to(cdt)  # round to the input dtype, as the contract says
         acc_input.addmm_(g, wc) if cdt == torch.float32 else acc_input.add_(g @ wc)
-        grad_weight[v0:v1] = torch.mm(g.t(), xc)
+        if cdt == dtype:  # straight into the output rows, no [CV, H] temporary
+            torch.mm(g.t(), xc, out=grad_weight[v0:v1])
+        else:
+            grad_weight[v0:v1] = torch.mm(g.t(), xc)
         del g  # free this chunk before the next one is allocated
     return acc_input.to(grad_input_dtype or dtype), grad_weight
 

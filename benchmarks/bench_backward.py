@@ -35,18 +35,16 @@ the torch backend covers the whole vocabulary, so its peak does grow with V ther
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
 
 import torch
+
+from vocab_parallel.memory import PeakMemory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("memory_saving", "high_performance")
@@ -138,35 +136,6 @@ def make_call(impl: str, inp: dict, mode: str):
 # ----------------------------------------------------------------------------- measuring
 
 
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _maxrss_bytes() -> int:
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024
-
-
-def _reset_peak_rss() -> bool:
-    """Give free heap back to the OS and reset the peak RSS; False if not possible."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _loadavg() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -189,25 +158,11 @@ def measure(call, device: torch.device, repeats: int) -> dict:
     (The first call is timed too: on CPU a call takes seconds at the default shape and
     nothing is compiled; on CUDA the caller has run a warm-up call before.)
     """
-    _sync(device)
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    else:
-        exact = _reset_peak_rss()
-        base = _proc_status_kib("VmRSS") * 1024 if exact else _maxrss_bytes()
-    t0 = time.perf_counter()
-    out = call()
-    _sync(device)
-    times = [time.perf_counter() - t0]
-    if device.type == "cuda":
-        extra = torch.cuda.max_memory_allocated(device) - base
-        method = "cuda.max_memory_allocated"
-    else:
-        extra = (_proc_status_kib("VmHWM") * 1024 if exact else _maxrss_bytes()) - base
-        method = "VmHWM" if exact else "ru_maxrss (lower bound)"
+    with PeakMemory(device) as peak:
+        t0 = time.perf_counter()
+        out = call()
+        _sync(device)
+        times = [time.perf_counter() - t0]
     outputs = out_bytes(out)
     norms = [t.double().norm().item() for t in out]
     del out
@@ -220,10 +175,10 @@ def measure(call, device: torch.device, repeats: int) -> dict:
     return {
         "time_s": min(times),
         "times_s": times,
-        "extra_bytes": extra,
+        "extra_bytes": peak.extra_bytes,
         "out_bytes": outputs,
-        "temp_bytes": extra - outputs,
-        "mem_method": method,
+        "temp_bytes": peak.extra_bytes - outputs,
+        "mem_method": peak.method,
         "norms": norms,
     }
 

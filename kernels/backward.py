@@ -27,19 +27,14 @@ operator validates, this launcher allocates and launches.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from vocab_parallel.kernels.common import dot_in_fp32, interpreting, logits_tile, tile_config
+
 # Bytes of the G chunk buffer the launcher aims for; ``CV`` follows from it and BT.
 CHUNK_BYTES = 256 * 1024 * 1024
-
-
-def interpreting() -> bool:
-    """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -111,25 +106,11 @@ def _logits_grad_kernel(
             other=0.0,
         ).to(tl.float32)
     else:
-        # logits tile = x[rows] @ W[vcols].T, accumulated in fp32 over H.
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < H
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                w_ptr + vcols[None, :] * stride_wn + ks[:, None] * stride_wk,
-                mask=col_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )
-            if DOT_FP32:
-                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w, acc)
+        acc = logits_tile(
+            x_ptr, w_ptr, rows, vcols, row_ok, col_ok,
+            H, stride_xm, stride_xk, stride_wn, stride_wk,
+            DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         row_max = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
         row_sum = tl.load(sumexp_ptr + rows, mask=row_ok, other=1.0)
         prob = tl.exp(acc - row_max[:, None]) / row_sum[:, None]
@@ -225,29 +206,20 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_ok)
 
 
-def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for the operand dtype."""
-    if interpreting():
-        return 32, 32, 32, 4  # each program is numpy work: big enough, still cheap
-    if dtype == torch.float32:
-        return 64, 64, 32, 4
-    return 128, 128, 64, 8
-
-
 def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool) -> None:
     """``c (+)= a @ b`` with fp32 accumulation; any strides, any sizes."""
     M, K = a.shape
     N = b.shape[1]
     if M == 0 or N == 0:
         return
-    bm, bn, bk, warps = _blocks(a.dtype)
+    bm, bn, bk, warps = tile_config(a.dtype)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     _matmul_kernel[grid](
         a, b, c,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         ACCUMULATE=accumulate,
-        DOT_FP32=interpreting() or a.dtype == torch.float32,
+        DOT_FP32=dot_in_fp32(a.dtype),
         ROUND_BF16=interpreting() and c.dtype == torch.bfloat16,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
         num_warps=warps,
@@ -299,8 +271,8 @@ def fused_backward(
     cv = chunk_columns(bt, v, x.element_size(), chunk_bytes)
     g_chunk = torch.empty((bt, cv), dtype=x.dtype, device=x.device)
     acc_input = torch.empty((bt, h), dtype=torch.float32, device=x.device)
-    bm, bn, bk, warps = _blocks(x.dtype)
-    dot_fp32 = interpreting() or x.dtype == torch.float32
+    bm, bn, bk, warps = tile_config(x.dtype)
+    dot_fp32 = dot_in_fp32(x.dtype)
     for v0 in range(0, v, cv):
         n = min(cv, v - v0)
         g = g_chunk[:, :n]

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vocab_parallel.kernels.backward import _blocks, interpreting
+from vocab_parallel.kernels.common import dot_in_fp32, interpreting, logits_tile, tile_config
 
 
 @triton.jit
@@ -69,24 +69,11 @@ def _forward_stats_kernel(
     for t in range(0, n_tiles):
         cols = (first_tile + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < V
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < H
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                w_ptr + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
-                mask=col_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )
-            if DOT_FP32:
-                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w, acc)
+        acc = logits_tile(
+            x_ptr, w_ptr, rows, cols, row_ok, col_ok,
+            H, stride_xm, stride_xk, stride_wn, stride_wk,
+            DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         if STORE_LOGITS:
             tl.store(
                 logits_ptr + rows[:, None] * stride_lm + cols[None, :] * stride_ln,
@@ -140,7 +127,7 @@ def forward_stats(
             torch.zeros(bt, **f32),
             torch.zeros(bt, **f32),
         )
-    bm, bn, bk, warps = _blocks(x.dtype)
+    bm, bn, bk, warps = tile_config(x.dtype)
     n_tiles = triton.cdiv(v, bn)
     n_row_blocks = triton.cdiv(bt, bm)
     splits = _num_splits(n_row_blocks, n_tiles, x.device)
@@ -156,7 +143,7 @@ def forward_stats(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         logits.stride(0) if store else 0, logits.stride(1) if store else 0,
         STORE_LOGITS=store,
-        DOT_FP32=interpreting() or x.dtype == torch.float32,
+        DOT_FP32=dot_in_fp32(x.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps,
     )  # fmt: skip

@@ -35,7 +35,6 @@ prints both loss curves side by side with their largest difference.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import math
@@ -48,6 +47,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from vocab_parallel.distributed import init_from_env
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "train_tiny_cpu.yaml"
@@ -206,25 +207,7 @@ def deepspeed_config(o: dict) -> dict:
 
 def init_distributed(o: dict) -> tuple[str, torch.device]:
     """Process group from torchrun's environment: NCCL with GPUs, gloo otherwise."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29512")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-        # Ranks share the cores: one thread pool each would oversubscribe them.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    timeout = datetime.timedelta(seconds=o["timeout_s"])
-    dist.init_process_group(
-        backend, timeout=timeout, device_id=device if backend == "nccl" else None
-    )
+    backend, device = init_from_env(o["timeout_s"], default_port=29512)
     if o["engine"] == "deepspeed":
         # DeepSpeed adopts the process group above (and its timeout) rather than making one.
         deepspeed_integration().init_distributed(backend, timeout=o["timeout_s"])

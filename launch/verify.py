@@ -16,14 +16,13 @@ No rank hangs forever: collectives have a timeout, and after every case the rank
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from vocab_parallel.distributed import init_from_env
 from vocab_parallel.testing import Case, check_case, grid
 
 DEFAULTS = {
@@ -64,25 +63,6 @@ def parse_args(argv: list[str] | None = None) -> dict:
     return options
 
 
-def init() -> tuple[str, torch.device]:
-    """Process group from torchrun's environment: NCCL with GPUs, gloo otherwise."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29511")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    return backend, device
-
-
 def table(rows: list[dict]) -> str:
     head = (
         "| world | BT | H | V | dtype | mode | reduction | eps | backend "
@@ -101,8 +81,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    backend, device = init()
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=opts["timeout_s"]))
+    backend, device = init_from_env(opts["timeout_s"])
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     cases: list[Case] = grid(

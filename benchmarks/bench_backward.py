@@ -159,22 +159,27 @@ def measure(call, device: torch.device, repeats: int) -> dict:
     nothing is compiled; on CUDA the caller has run a warm-up call before.)
     """
     with PeakMemory(device) as peak:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = call()
         _sync(device)
         times = [time.perf_counter() - t0]
+        cpu_times = [time.process_time() - c0]
     outputs = out_bytes(out)
     norms = [t.double().norm().item() for t in out]
     del out
     for _ in range(max(1, repeats) - 1):
         _sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         call()
         _sync(device)
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     return {
         "time_s": min(times),
         "times_s": times,
+        # CPU seconds of the whole process (all threads): steadier than wall time when
+        # other work shares the cores.
+        "cpu_s": min(cpu_times),
         "extra_bytes": peak.extra_bytes,
         "out_bytes": outputs,
         "temp_bytes": peak.extra_bytes - outputs,
@@ -238,6 +243,8 @@ def gemm_flops(bt: int, h: int, v: int, mode: str) -> float:
 
 def table(rows: list[dict], cuda: bool) -> str:
     head = ["V", "mode", "dtype", "backend", "ours ms", "naive ms", "ours/naive"]
+    if not cuda:
+        head += ["ours/naive CPU time"]
     head += ["ours temp MiB", "naive temp MiB", "outputs MiB"]
     if cuda:
         head += ["ours TFLOP/s", "naive TFLOP/s", "matmul TFLOP/s"]
@@ -248,6 +255,7 @@ def table(rows: list[dict], cuda: bool) -> str:
             str(r["v"]), r["mode"], r["dtype"], r["backend"],
             f"{o['time_s'] * 1e3:.0f}", f"{n['time_s'] * 1e3:.0f}",
             f"{o['time_s'] / n['time_s']:.2f}",
+            *([] if cuda else [f"{o['cpu_s'] / n['cpu_s']:.2f}"]),
             f"{o['temp_bytes'] / MIB:.0f}", f"{n['temp_bytes'] / MIB:.0f}",
             f"{o['out_bytes'] / MIB:.0f}",
         ]  # fmt: skip
@@ -349,7 +357,8 @@ def main(argv=None) -> int:
     print(table(rows, cuda))
     print()
     print(
-        f"Times: best of {repeats} calls. temp MiB: peak memory of one call beyond its inputs "
+        f"Times: best of {repeats} calls (CPU time: process CPU seconds, all threads; steadier "
+        f"than wall time on a shared machine). temp MiB: peak memory of one call beyond its inputs "
         f"and outputs ({method}). outputs MiB: grad_input + grad_weight (same for both)."
     )
     if args.json:

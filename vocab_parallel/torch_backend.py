@@ -80,7 +80,10 @@ def fused_backward(
         cols = (target - v0).clamp(0, v1 - v0 - 1)
         g[rows, cols] -= torch.where(in_chunk, onehot_val, 0.0)
         g.mul_(scale)
-        g = g.to(dtype).to(cdt)  # round to the input dtype, as the contract says
+        if dtype != torch.float32:  # round to the input dtype, as the contract says
+            rounded = g.to(dtype)
+            g = g.copy_(rounded) if cdt == torch.float32 else rounded  # fp32: reuse g's buffer
+            del rounded
         acc_input.addmm_(g, wc) if cdt == torch.float32 else acc_input.add_(g @ wc)
         if cdt == dtype:  # straight into the output rows, no [CV, H] temporary
             torch.mm(g.t(), xc, out=grad_weight[v0:v1])

@@ -121,24 +121,6 @@ class Problem:
         }
 
 
-def naive_loss_grad(grad, x, w, not_here, target, lmax, sumexp, softmax):
-    """The formula written naively: full logits, softmax, one-hot, two matmuls.
-
-    On CPU the products run in fp32 (bf16/fp16 GEMMs are far slower on most CPUs);
-    on CUDA in the input dtype. ``G`` is rounded to the input dtype as the contract says.
-    """
-    cdt = torch.float32 if x.device.type == "cpu" else x.dtype
-    xc, wc = x.to(cdt), w.to(cdt)
-    if softmax is None:
-        logits = (xc @ wc.T).float()
-        probs = torch.exp(logits - lmax[:, None]) / sumexp[:, None]
-    else:
-        probs = softmax
-    onehot = F.one_hot(target.long(), w.shape[0]).float() * (~not_here).float()[:, None]
-    g = ((probs - onehot) * grad[:, None]).to(x.dtype).to(cdt)
-    return (g @ wc).to(x.dtype), (g.T @ xc).to(x.dtype)
-
-
 def best_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Best wall time of ``repeats`` calls, in seconds (after one warm-up call)."""
     fn()
@@ -167,7 +149,7 @@ def rel_err(ours: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> fl
 
 def run_case(args, device, dtype, backend, shape, interpreted) -> dict:
     from vocab_parallel import fused_linear_cross_entropy_loss_grad as op
-    from vocab_parallel.reference import loss_grad_reference
+    from vocab_parallel.reference import loss_grad_reference, naive_loss_grad
 
     bt, h, vocab = shape
     prob = Problem(bt, h, vocab, dtype, device, args.seed)

@@ -51,3 +51,23 @@ def global_statistics(input: torch.Tensor, weight: torch.Tensor) -> tuple[torch.
     e = torch.exp(logits - lmax[:, None])
     s = e.sum(dim=1)
     return lmax, s, e / s[:, None]
+
+
+def naive_loss_grad(grad, x, w, not_here, target, lmax, sumexp, softmax):
+    """The operator written naively, the baseline of the demo and the benchmark: full
+    ``[BT, V]`` logits, softmax, a materialised one-hot, two matmuls (no label smoothing).
+
+    On CPU the products run in fp32 (bf16/fp16 GEMMs are far slower on most CPUs); on
+    CUDA in the input dtype. ``G`` is rounded to the input dtype as the contract says.
+    """
+    cdt = torch.float32 if x.device.type == "cpu" else x.dtype
+    xc, wc = x.to(cdt), w.to(cdt)
+    if softmax is None:
+        logits = (xc @ wc.T).float()
+        probs = torch.exp(logits - lmax[:, None]) / sumexp[:, None]
+    else:
+        probs = softmax
+    here = (~not_here).float()[:, None]
+    onehot = torch.zeros_like(probs).scatter_(1, target.long()[:, None], here)
+    g = ((probs - onehot) * grad[:, None]).to(x.dtype).to(cdt)
+    return (g @ wc).to(x.dtype), (g.T @ xc).to(x.dtype)

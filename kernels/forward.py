@@ -49,6 +49,7 @@ def _forward_stats_kernel(
     stride_ln,
     # Meta-parameters
     STORE_LOGITS: tl.constexpr,
+    LOGIT_SUM: tl.constexpr,  # compute logit_sum (label smoothing only), else leave it 0
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -88,7 +89,8 @@ def _forward_stats_kernel(
         )
         run_max = new_max
         pred += tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
-        lsum += tl.sum(tl.where(col_ok[None, :], acc, 0.0), axis=1)
+        if LOGIT_SUM:
+            lsum += tl.sum(tl.where(col_ok[None, :], acc, 0.0), axis=1)
 
     out = pid_s * BT + rows
     tl.store(max_ptr + out, run_max, mask=row_ok)
@@ -110,12 +112,14 @@ def forward_stats(
     weight: torch.Tensor,
     local_target: torch.Tensor,
     logits_out: torch.Tensor | None = None,
+    with_logit_sum: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Local ``(max, sum_exp, predicted, logit_sum)``, each fp32 ``[BT]``.
 
     ``local_target`` is int64 ``[BT]``, -1 where the row's target is not on this shard.
     ``logits_out``, if given, is an fp32 ``[BT, V]`` buffer that receives the raw logits.
-    A shard without columns gives max -inf and zero sums.
+    A shard without columns gives max -inf and zero sums. ``with_logit_sum=False`` skips
+    the logit sum (only label smoothing needs it) and returns zeros for it.
     """
     bt, h = x.shape
     v = weight.shape[0]
@@ -143,6 +147,7 @@ def forward_stats(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         logits.stride(0) if store else 0, logits.stride(1) if store else 0,
         STORE_LOGITS=store,
+        LOGIT_SUM=with_logit_sum,
         DOT_FP32=dot_in_fp32(x.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps,

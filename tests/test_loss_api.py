@@ -107,6 +107,7 @@ def test_frozen_weight_still_gives_hidden_grad():
         (dict(label_smoothing="0.1"), TypeError, "label_smoothing"),
         (dict(ignore_index=1.5), TypeError, "ignore_index"),
         (dict(vocab_start_index=-1), ValueError, "vocab_start_index"),
+        (dict(global_vocab_size=0), ValueError, "global_vocab_size"),
     ],
 )
 def test_bad_options(kwargs, exc, name):
@@ -115,6 +116,27 @@ def test_bad_options(kwargs, exc, name):
         vp.vocab_parallel_linear_cross_entropy(x, w, y, **kwargs)
     with pytest.raises(exc, match=name):
         vp.VocabParallelLinearCrossEntropy(**kwargs)
+
+
+def test_global_vocab_size_smaller_than_the_shard_end():
+    x, w, y = _problem()  # 129 local rows
+    with pytest.raises(ValueError, match="global_vocab_size"):
+        vp.vocab_parallel_linear_cross_entropy(
+            x, w, y, vocab_start_index=100, global_vocab_size=150
+        )
+
+
+def test_global_vocab_size_sets_the_smoothing_denominator():
+    x, w, y = _problem()
+    eps, vg = 0.2, 1000  # this shard is rows [0, 129) of a 1000-row vocabulary
+    ours = vp.vocab_parallel_linear_cross_entropy(
+        x, w, y, label_smoothing=eps, vocab_start_index=0, global_vocab_size=vg
+    )
+    logits = F.linear(x.double(), w.double()).flatten(0, 1)
+    lse = torch.logsumexp(logits, dim=1)
+    nll = lse - logits.gather(1, y.flatten()[:, None]).squeeze(1)
+    expected = ((1 - eps) * nll + eps * (lse - logits.sum(dim=1) / vg)).mean()
+    torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -50,14 +50,25 @@ def shard_layout(
     group: dist.ProcessGroup | None,
     vocab_start_index: int | None,
     device: torch.device,
+    global_vocab_size: int | None = None,
 ) -> ShardLayout:
     """Layout of this rank's shard: contiguous rank-ordered shards unless overridden.
 
-    Shards may be uneven. With more than one rank, one small collective (each rank puts its
-    size into its slot, then a SUM) gives all shard sizes: the global vocabulary size and
-    the default start (the sum of the sizes of the lower ranks).
+    Shards may be uneven. Given both ``vocab_start_index`` and ``global_vocab_size`` (an
+    LM head knows them), the layout is known without communication. Otherwise, with more
+    than one rank, one small collective (each rank puts its size into its slot, then a
+    SUM; it synchronises with the device) gives all shard sizes: the global vocabulary
+    size and the default start (the sum of the sizes of the lower ranks).
     """
     n = world_size(group)
+    if global_vocab_size is not None and (vocab_start_index is not None or n == 1):
+        start = 0 if vocab_start_index is None else vocab_start_index
+        if start + v_local > global_vocab_size:
+            raise ValueError(
+                f"global_vocab_size: {global_vocab_size} is smaller than vocab_start_index "
+                f"{start} + {v_local} local rows"
+            )
+        return ShardLayout(start, v_local, global_vocab_size)
     if n == 1:
         start = 0 if vocab_start_index is None else vocab_start_index
         return ShardLayout(start, v_local, v_local)

@@ -158,6 +158,7 @@ class VocabParallelLMHead(nn.Module):
             target,
             process_group=self.process_group,
             vocab_start_index=self.vocab_start_index,
+            global_vocab_size=self.vocab_size,  # layout known: no collective per call
             **self.loss_options,
         )
 

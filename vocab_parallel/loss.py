@@ -60,7 +60,9 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         softmax = None
         if keep_softmax:  # receives the raw logits, normalised in place below
             softmax = torch.empty((bt, v), dtype=torch.float32, device=hidden.device)
-        m, s, p, a = _forward_stats(backend)(hidden, weight, local_target, softmax)
+        m, s, p, a = _forward_stats(backend)(
+            hidden, weight, local_target, softmax, with_logit_sum=eps > 0
+        )
 
         logits_max = all_reduce(m.clone(), "MAX", group)
         sums = torch.stack([s * torch.exp(m - logits_max), p, a])
@@ -109,7 +111,15 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         return grad_input, grad_weight, None, None, None, None, None, None, None
 
 
-def check_options(ignore_index, reduction, label_smoothing, mode, backend, vocab_start_index):
+def check_options(
+    ignore_index,
+    reduction,
+    label_smoothing,
+    mode,
+    backend,
+    vocab_start_index,
+    global_vocab_size=None,
+):
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
     if reduction not in REDUCTIONS:
@@ -122,6 +132,12 @@ def check_options(ignore_index, reduction, label_smoothing, mode, backend, vocab
         or vocab_start_index < 0
     ):
         raise ValueError(f"vocab_start_index: expected an int >= 0, got {vocab_start_index!r}")
+    if global_vocab_size is not None and (
+        isinstance(global_vocab_size, bool)
+        or not isinstance(global_vocab_size, int)
+        or global_vocab_size < 1
+    ):
+        raise ValueError(f"global_vocab_size: expected an int >= 1, got {global_vocab_size!r}")
     resolve_backend(backend, torch.device("cpu"))  # validates the name
     return check_label_smoothing(label_smoothing)
 
@@ -133,6 +149,7 @@ def vocab_parallel_linear_cross_entropy(
     *,
     process_group: dist.ProcessGroup | None = None,
     vocab_start_index: int | None = None,
+    global_vocab_size: int | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
@@ -152,6 +169,9 @@ def vocab_parallel_linear_cross_entropy(
         process_group: the tensor-parallel group; ``None`` (or one rank): no collectives.
         vocab_start_index: first global id of this shard; default: contiguous shards in
             rank order (uneven sizes allowed).
+        global_vocab_size: rows over all shards. With ``vocab_start_index`` it makes the
+            layout known without the small collective (and device sync) that otherwise
+            finds the shard sizes at every call.
         ignore_index: target value that contributes no loss and no gradient.
         reduction: ``"none"`` (per-token, shape of ``target``), ``"sum"`` or ``"mean"`` (over
             non-ignored tokens; 0 when all are ignored).
@@ -163,7 +183,15 @@ def vocab_parallel_linear_cross_entropy(
     Returns:
         The fp32 loss (a scalar, or per token for ``reduction="none"``).
     """
-    eps = check_options(ignore_index, reduction, label_smoothing, mode, backend, vocab_start_index)
+    eps = check_options(
+        ignore_index,
+        reduction,
+        label_smoothing,
+        mode,
+        backend,
+        vocab_start_index,
+        global_vocab_size,
+    )
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
     if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -191,7 +219,7 @@ def vocab_parallel_linear_cross_entropy(
             f"weight: expected shape [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}"
         )
     layout: ShardLayout = shard_layout(
-        weight.shape[0], process_group, vocab_start_index, hidden.device
+        weight.shape[0], process_group, vocab_start_index, hidden.device, global_vocab_size
     )
     which = resolve_backend(backend, hidden.device)
     h2 = hidden.reshape(-1, hidden.shape[-1])
@@ -221,6 +249,7 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         *,
         process_group: dist.ProcessGroup | None = None,
         vocab_start_index: int | None = None,
+        global_vocab_size: int | None = None,
         ignore_index: int = -100,
         reduction: str = "mean",
         label_smoothing: float = 0.0,
@@ -228,10 +257,19 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        check_options(ignore_index, reduction, label_smoothing, mode, backend, vocab_start_index)
+        check_options(
+            ignore_index,
+            reduction,
+            label_smoothing,
+            mode,
+            backend,
+            vocab_start_index,
+            global_vocab_size,
+        )
         self.options = dict(
             process_group=process_group,
             vocab_start_index=vocab_start_index,
+            global_vocab_size=global_vocab_size,
             ignore_index=ignore_index,
             reduction=reduction,
             label_smoothing=label_smoothing,

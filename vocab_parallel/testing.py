@@ -85,7 +85,8 @@ def check_case(case: Case, group: dist.ProcessGroup | None, device: torch.device
     x, w_full, y, upstream, scalar = _problem(case, device)
     shard = rank if case.layout == "contiguous" else world - 1 - rank
     lo, hi = shard_bounds(case.vocab, world)[shard]
-    start = None if case.layout == "contiguous" else lo
+    # The reversed layout also states the global size: the path without the layout collective.
+    start, global_size = (None, None) if case.layout == "contiguous" else (lo, case.vocab)
 
     hidden = x.clone().requires_grad_(True)
     weight = w_full[lo:hi].clone().requires_grad_(True)
@@ -95,6 +96,7 @@ def check_case(case: Case, group: dist.ProcessGroup | None, device: torch.device
         y,
         process_group=group,
         vocab_start_index=start,
+        global_vocab_size=global_size,
         reduction=case.reduction,
         label_smoothing=case.label_smoothing,
         mode=case.mode,

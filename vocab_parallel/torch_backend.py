@@ -98,6 +98,7 @@ def forward_stats(
     weight: torch.Tensor,
     local_target: torch.Tensor,
     logits_out: torch.Tensor | None = None,
+    with_logit_sum: bool = True,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Local ``(max, sum_exp, predicted, logit_sum)`` of ``x @ weight.T``, fp32 ``[BT]``.
@@ -106,6 +107,7 @@ def forward_stats(
     ``vocab_parallel.kernels.forward.forward_stats``): ``local_target`` is int64, -1 where
     the target is not on this shard; ``logits_out`` (fp32 ``[BT, V]``) receives the raw
     logits when given, and then the chunk products are written straight into it.
+    ``with_logit_sum=False`` skips the logit sum (only label smoothing needs it): zeros.
     """
     bt = x.shape[0]
     v = weight.shape[0]
@@ -132,7 +134,8 @@ def forward_stats(
         in_chunk = here & (local_target >= v0) & (local_target < v1)
         cols = (local_target - v0).clamp(0, v1 - v0 - 1)
         pred += torch.where(in_chunk, logits.gather(1, cols[:, None]).squeeze(1), 0.0)
-        lsum += logits.sum(dim=1)
+        if with_logit_sum:  # only label smoothing needs it: skip the pass otherwise
+            lsum += logits.sum(dim=1)
         new_max = torch.maximum(row_max, logits.max(dim=1).values)
         row_sum.mul_(torch.exp(row_max - new_max))
         # exp in place unless the raw logits must be kept (high-performance mode).

@@ -3,10 +3,14 @@
 Public API:
     vocab_parallel_linear_cross_entropy   the sharded LM-head loss (SPEC.md sections 2 and 4)
     VocabParallelLinearCrossEntropy       its nn.Module form
+    VocabParallelLMHead                   an LM head that owns its shard and computes the loss
     fused_linear_cross_entropy_loss_grad  the fused backward operator (SPEC.md section 3)
     pack_target_mask, unpack_target_mask  the bit-packed target mask format
+    shard_bounds                          the default contiguous (uneven) shard layout
 """
 
+from vocab_parallel.distributed import shard_bounds
+from vocab_parallel.lm_head import VocabParallelLMHead
 from vocab_parallel.loss import (
     VocabParallelLinearCrossEntropy,
     vocab_parallel_linear_cross_entropy,
@@ -15,10 +19,12 @@ from vocab_parallel.mask import pack_target_mask, unpack_target_mask
 from vocab_parallel.ops import fused_linear_cross_entropy_loss_grad
 
 __all__ = [
+    "VocabParallelLMHead",
     "VocabParallelLinearCrossEntropy",
     "vocab_parallel_linear_cross_entropy",
     "fused_linear_cross_entropy_loss_grad",
     "pack_target_mask",
     "unpack_target_mask",
+    "shard_bounds",
 ]
 __version__ = "0.1.0"

@@ -18,12 +18,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
+# Run as a script (``torchrun ... launch/verify.py``), Python puts launch/ itself first on
+# sys.path; the repository root must be there for ``launch`` to import as a package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vocab_parallel.distributed import init_from_env
-from vocab_parallel.testing import Case, check_case, grid
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from launch.dist_env import init_from_env  # noqa: E402
+from vocab_parallel.testing import Case, check_case, grid  # noqa: E402
 
 DEFAULTS = {
     "tokens": [37, 512],

@@ -24,7 +24,7 @@ pytest.importorskip("deepspeed")
 
 from multirank import run_ranks  # noqa: E402
 
-from vocab_parallel.gpt import GPT, GPTConfig  # noqa: E402
+from launch.model import GPT, GPTConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +111,7 @@ def _start_deepspeed(group) -> None:
 def _engine(groups, stage: int, optimizer: str, dtype: str = "fp32", seed: int = 0):
     from vocab_parallel.integrations import deepspeed as vp_deepspeed
 
-    model = GPT(CFG, seed=seed, tp_group=groups.tp_group)
+    model = GPT(CFG, seed=seed, process_group=groups.tp_group)
     engine, *_ = vp_deepspeed.initialize(
         model, groups, _config(stage, dtype), optimizer=_optimizer(model.parameters(), optimizer)
     )

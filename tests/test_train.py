@@ -24,7 +24,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from vocab_parallel.data import TokenData, read_text  # noqa: E402
+from launch.data import TokenData, read_text  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@
 
     vp_deepspeed.init_distributed()                    # nccl on GPUs, gloo on CPUs
     groups = init_parallel_groups(tp_size=2)           # TP groups x DP groups
-    model = GPT(cfg, tp_group=groups.tp_group)         # or any model using our head
+    model = GPT(cfg, process_group=groups.tp_group)    # or any model using our head
     engine, optimizer, _, _ = vp_deepspeed.initialize(
         model, groups, config, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4)
     )

@@ -1,6 +1,8 @@
-"""A plain-PyTorch optimizer step for a model whose LM head is sharded over a TP group.
+"""The two training engines of the launcher, each behind a runner with the same interface.
 
-What data and tensor parallelism need from a training step, without DDP or DeepSpeed:
+``torch``: :class:`TorchEngine`, a plain-PyTorch optimizer step for a model whose LM head
+is sharded over a TP group, without DDP or DeepSpeed. What data and tensor parallelism
+need from it:
 
 - gradients averaged over the data-parallel group, in one fp32 bucket (one all-reduce in
   a fixed order: deterministic, and correct for bf16 models on gloo, which has no bf16
@@ -14,16 +16,27 @@ What data and tensor parallelism need from a training step, without DDP or DeepS
 Every TP rank of a DP replica sees the same batch and, since the loss all-reduces the
 input gradient, computes the same body gradients: the replicated body stays bitwise in
 sync, which :func:`replicas_in_sync` checks.
+
+``deepspeed``: ``vocab_parallel.integrations.deepspeed`` around the same model.
+
+The runners (:class:`TorchRunner`, :class:`DeepSpeedRunner`, made by :func:`make_runner`)
+give the training loop one interface, ``train_step``, ``forward`` and ``module``, and
+each owns the files of its own checkpoint (``save`` / ``load`` into a folder), since the
+two engines store their state very differently; ``launch.checkpoints`` writes what is
+common to both around them.
 """
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from launch.config import deepspeed_config
+from launch.dist_env import deepspeed_integration
 from vocab_parallel.distributed import world_size
 from vocab_parallel.parallel import ParallelGroups
 
@@ -137,3 +150,110 @@ def replicas_in_sync(model: nn.Module, group: dist.ProcessGroup | None) -> bool:
     digests = [None] * world_size(group)
     dist.all_gather_object(digests, h.hexdigest(), group=group)
     return len(set(digests)) == 1
+
+
+class TorchRunner:
+    """The torch engine: :class:`TorchEngine` around the model.
+
+    Checkpoint: ``model_tp<TP rank>.pt`` in the folder, written by DP rank 0 only (the DP
+    replicas are identical), holding ``{name: {"model": ..., "engine": ...}}``.
+    """
+
+    def __init__(self, model, groups: ParallelGroups, o: dict) -> None:
+        self.model, self.groups = model, groups
+        self.engine = TorchEngine(
+            model,
+            groups,
+            lr=o["lr"],
+            betas=(o["beta1"], o["beta2"]),
+            weight_decay=o["weight_decay"],
+            grad_clip=o["grad_clip"],
+        )
+
+    def train_step(self, x, y, lr: float) -> tuple[torch.Tensor, float]:
+        loss = self.model(x, y)
+        loss.backward()
+        return loss.detach().float(), self.engine.step(lr)
+
+    def forward(self, x, y) -> torch.Tensor:
+        return self.model(x, y)
+
+    @property
+    def module(self):
+        return self.model
+
+    def _file(self, folder: Path) -> Path:
+        return folder / f"model_tp{self.groups.tp_rank}.pt"
+
+    def save(self, folder: Path, name: str) -> None:
+        """Write this model's state into ``folder``: DP rank 0 writes, the others return."""
+        if self.groups.dp_rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            state = {"model": self.model.state_dict(), "engine": self.engine.state_dict()}
+            torch.save({name: state}, self._file(folder))
+
+    def load(self, folder: Path, name: str) -> None:
+        """Restore the state :meth:`save` wrote into ``folder`` (every DP rank reads it)."""
+        path = self._file(folder)
+        if not path.exists():
+            raise SystemExit(f"--resume: no {path}")
+        device = next(self.model.parameters()).device
+        state = torch.load(path, map_location=device, weights_only=True)[name]
+        self.model.load_state_dict(state["model"])
+        self.engine.load_state_dict(state["engine"])
+
+
+class DeepSpeedRunner:
+    """The deepspeed engine, through ``vocab_parallel.integrations.deepspeed``.
+
+    The optimizer is the same torch AdamW (with the same parameter groups) as the torch
+    engine's; the LR is set on it every step, so no scheduler state needs saving.
+    Checkpoint: DeepSpeed's own files (``save_checkpoint``, collective), in the folder.
+    """
+
+    def __init__(self, model, groups: ParallelGroups, o: dict) -> None:
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": o["weight_decay"]},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=o["lr"],
+            betas=(o["beta1"], o["beta2"]),
+        )
+        result = deepspeed_integration().initialize(
+            model, groups, deepspeed_config(o), optimizer=optimizer
+        )
+        self.engine = result[0] if isinstance(result, tuple) else result
+
+    def train_step(self, x, y, lr: float) -> tuple[torch.Tensor, float]:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return loss.detach().float(), float(norm) if norm is not None else float("nan")
+
+    def forward(self, x, y) -> torch.Tensor:
+        return self.engine(x, y)
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    def save(self, folder: Path, name: str) -> None:
+        """DeepSpeed's checkpoint, tag ``folder.name`` under ``folder.parent`` (collective)."""
+        # ``latest`` is launch.checkpoints' to write, once the whole checkpoint is complete.
+        self.engine.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False)
+
+    def load(self, folder: Path, name: str) -> None:
+        path, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name)
+        if path is None:
+            raise SystemExit(f"--resume: DeepSpeed could not load {folder}")
+
+
+def make_runner(model, groups: ParallelGroups, o: dict):
+    """The runner of ``o["engine"]`` around ``model``."""
+    return (DeepSpeedRunner if o["engine"] == "deepspeed" else TorchRunner)(model, groups, o)

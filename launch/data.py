@@ -13,8 +13,13 @@ Batches are a pure function of ``(seed, step, dp_rank)``: a resumed run draws ex
 batches the uninterrupted run would have, with no sampler state to save. The validation
 slice is the tail of the corpus, never sampled for training.
 
+In a distributed run only rank 0 reads the corpus and tokenises it (:func:`load_data`);
+the token ids reach the other ranks through a broadcast, so multi-node runs need no
+shared disk for the data and no two ranks ever train the tokenizer at the same time.
+
 ``tokenizers`` is imported only when a tokenizer has to be trained or loaded (the
-``train`` extra), so the rest of the package does not depend on it.
+``train`` extra), so importing this module (the tests do, for :class:`TokenData`) does
+not need it.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ import gzip
 import hashlib
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from launch.config import ROOT
 
 # Bump when the tokenizer recipe or the token file format changes: it is part of the
 # cache key, so old caches are ignored rather than misread.
@@ -198,3 +207,30 @@ class TokenData:
         window = mine[..., None] + torch.arange(context + 1)
         chunks = self.val[window]
         return [(c[:, :-1], c[:, 1:]) for c in chunks]
+
+
+def resolve_data_path(path: str) -> Path:
+    """The corpus as given, or under the repository root (runs from another folder)."""
+    p = Path(path)
+    return p if p.is_absolute() or p.exists() else ROOT / p
+
+
+def load_data(o: dict, rank: int, device: torch.device) -> tuple[TokenData, dict]:
+    """Rank 0 tokenises the corpus (training the tokenizer at the first run) and sends the
+    token ids to every rank; the others wait in the broadcast, bounded by ``timeout_s``."""
+    payload = [None, None]
+    if rank == 0:
+        t0 = time.perf_counter()
+        tokens, info = prepare_tokens(
+            resolve_data_path(o["data"]), o["vocab_size"], o["cache_dir"], o["tokenizer"]
+        )
+        info["seconds"] = round(time.perf_counter() - t0, 2)
+        if info["tokenizer_vocab_size"] > o["vocab_size"]:
+            raise SystemExit(
+                f"tokenizer has {info['tokenizer_vocab_size']} tokens, more than "
+                f"vocab_size {o['vocab_size']}"
+            )
+        payload = [tokens, info]
+    dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
+    tokens, info = payload
+    return TokenData(tokens, o["val_fraction"]), info

@@ -2,7 +2,9 @@
 
 It is what ``launch/train.py`` trains and what the integration tests compare: the body
 (embeddings, pre-norm transformer blocks) is replicated on the ranks of the
-tensor-parallel group, the head's vocabulary is sharded over it. ``head="unsharded"``
+tensor-parallel group (``process_group``), the head's vocabulary is sharded over it. It
+is an application of the library, not part of it: any model whose last layer is a
+:class:`~vocab_parallel.lm_head.VocabParallelLMHead` trains the same way. ``head="unsharded"``
 swaps in an ordinary ``nn.Linear``-style head with ``F.cross_entropy`` on full logits,
 initialised to the very same weights, for side-by-side checks.
 
@@ -20,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from launch.config import DTYPES
 from vocab_parallel.lm_head import VocabParallelLMHead
 
 _HEAD_INIT_BLOCK = 1024  # rows per seeded block of the head's initial weight
@@ -103,6 +106,8 @@ class GPT(nn.Module):
     """Token + position embeddings, ``n_layers`` blocks, final norm, then the LM head.
 
     ``forward(idx [B, T], targets [B, T]) -> loss`` (mean over non-ignored tokens).
+    ``process_group``: the tensor-parallel group the head's vocabulary is sharded over
+    (``None``: one shard); ``head_options`` go to the head (mode, backend, smoothing...).
     """
 
     def __init__(
@@ -111,7 +116,7 @@ class GPT(nn.Module):
         *,
         seed: int = 0,
         head: str = "vocab_parallel",
-        tp_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | None = None,
         **head_options,
     ) -> None:
         super().__init__()
@@ -123,7 +128,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         if head == "vocab_parallel":
             self.head = VocabParallelLMHead(
-                cfg.d_model, cfg.vocab_size, process_group=tp_group, **head_options
+                cfg.d_model, cfg.vocab_size, process_group=process_group, **head_options
             )
             start = self.head.vocab_start_index
         elif head == "unsharded":
@@ -141,3 +146,25 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x), targets)
+
+
+def build_model(o: dict, head: str, groups, device: torch.device | str) -> GPT:
+    """The launcher's GPT from its options ``o``: ``head`` is ``"vocab_parallel"`` (sharded
+    over ``groups.tp_group``) or ``"unsharded"`` (the reference copy)."""
+    cfg = GPTConfig(
+        vocab_size=o["vocab_size"],
+        context=o["context"],
+        d_model=o["d_model"],
+        n_layers=o["n_layers"],
+        n_heads=o["n_heads"],
+        mlp_ratio=o["mlp_ratio"],
+    )
+    options = {"label_smoothing": o["label_smoothing"]}
+    if head == "vocab_parallel":
+        options.update(mode=o["mode"], backend=o["backend"])
+    model = GPT(cfg, seed=o["seed"], head=head, process_group=groups.tp_group, **options)
+    # The torch engine trains the model in its dtype (fp32 master weights in the engine);
+    # DeepSpeed converts an fp32 model itself when its bf16 mode is on.
+    if o["engine"] == "torch":
+        model = model.to(DTYPES[o["dtype"]])
+    return model.to(device)

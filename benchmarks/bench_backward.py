@@ -28,29 +28,36 @@ Speed
 
 Default cases: BT=4096, H=1024; V=32768 in both modes, and V=131072 (4x) in memory-saving
 mode only (the mode whose peak must not grow with V; ``--more-v-modes`` adds the other).
-About 6 minutes on 2 idle CPU cores. ``--quick`` is a smoke run: at its BT=512 one chunk of
-the torch backend covers the whole vocabulary, so its peak does grow with V there.
+About 6 minutes on 2 idle CPU cores. ``--quick`` is a smoke run (half a minute): at its
+BT=512 one chunk of the torch backend covers the whole vocabulary, so its peak does grow
+with V there. Without a GPU the Triton kernels can still be run, under Triton's
+interpreter (numpy per tile: tiny shapes only), beside the torch backend:
+
+    python benchmarks/bench_backward.py --backends torch triton --bt 64 --hidden 48 --vocab 600
+
+Every row also checks that both sides computed the same gradients (norms within 1%); the
+exit status is 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
+# Run as a script, Python puts benchmarks/ on sys.path: put the repository root there too,
+# for ``benchmarks`` and for ``vocab_parallel`` from this checkout.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import torch
 
-from vocab_parallel.memory import PeakMemory
+from benchmarks import harness
+from benchmarks.harness import MIB
 from vocab_parallel.reference import naive_loss_grad
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("memory_saving", "high_performance")
-MIB = 1024 * 1024
-RESULT = "BENCH-RESULT "
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -122,50 +129,22 @@ def make_call(impl: str, inp: dict, mode: str):
 # ----------------------------------------------------------------------------- measuring
 
 
-def _loadavg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except (OSError, AttributeError):
-        return "n/a"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def out_bytes(out) -> int:
-    return sum(t.numel() * t.element_size() for t in out)
-
-
 def measure(call, device: torch.device, repeats: int) -> dict:
     """Peak extra memory of the first call; best time of ``repeats`` calls, the first included.
 
     (The first call is timed too: on CPU a call takes seconds at the default shape and
     nothing is compiled; on CUDA the caller has run a warm-up call before.)
     """
-    with PeakMemory(device) as peak:
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = call()
-        _sync(device)
-        times = [time.perf_counter() - t0]
-        cpu_times = [time.process_time() - c0]
-    outputs = out_bytes(out)
-    norms = [t.double().norm().item() for t in out]
-    del out
-    for _ in range(max(1, repeats) - 1):
-        _sync(device)
-        t0, c0 = time.perf_counter(), time.process_time()
-        call()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        cpu_times.append(time.process_time() - c0)
+
+    def keep(out):  # the outputs' size, and their norms for the sanity check
+        return harness.nbytes(out), [t.double().norm().item() for t in out]
+
+    res = harness.timed_calls(call, device, repeats, keep=keep)
+    peak, (outputs, norms) = res["peak"], res["kept"]
     return {
-        "time_s": min(times),
-        "times_s": times,
-        # CPU seconds of the whole process (all threads): steadier than wall time when
-        # other work shares the cores.
-        "cpu_s": min(cpu_times),
+        "time_s": min(res["times_s"]),
+        "times_s": res["times_s"],
+        "cpu_s": min(res["cpu_s"]),  # process CPU seconds, all threads: steadier than wall time
         "extra_bytes": peak.extra_bytes,
         "out_bytes": outputs,
         "temp_bytes": peak.extra_bytes - outputs,
@@ -209,15 +188,12 @@ def run_matmul(case: dict) -> float:
     return measure(call, device, case["repeats"])["time_s"]
 
 
-def in_subprocess(case: dict) -> dict:
+def in_subprocess(case: dict, timeout: float) -> dict:
     """``run_case`` in a fresh Python process: its peak RSS is this case's alone."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(case)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT) :])
-    sys.stderr.write(proc.stdout + proc.stderr)
-    raise RuntimeError(f"benchmark subprocess failed (exit {proc.returncode}) for {case}")
+    res = harness.run_children(__file__, case, timeout=timeout)
+    if res["status"] != "ok":
+        raise RuntimeError(f"benchmark subprocess failed ({res['status']}) for {case}")
+    return res["ranks"][0]
 
 
 # ----------------------------------------------------------------------------- report
@@ -227,6 +203,15 @@ def gemm_flops(bt: int, h: int, v: int, mode: str) -> float:
     return 2.0 * bt * h * v * (3 if mode == "memory_saving" else 2)
 
 
+def compare(ours: dict, naive: dict, what: str) -> list[str]:
+    """Sanity: both sides compute the same gradients (norms within 1%)."""
+    failures = []
+    for a, c, grad in zip(ours["norms"], naive["norms"], ("input", "weight"), strict=True):
+        if abs(a - c) > 1e-2 * max(abs(c), 1e-30):
+            failures.append(f"{what}: |grad_{grad}| {a} vs {c}")
+    return failures
+
+
 def table(rows: list[dict], cuda: bool) -> str:
     head = ["V", "mode", "dtype", "backend", "ours ms", "naive ms", "ours/naive"]
     if not cuda:
@@ -234,7 +219,7 @@ def table(rows: list[dict], cuda: bool) -> str:
     head += ["ours temp MiB", "naive temp MiB", "outputs MiB"]
     if cuda:
         head += ["ours TFLOP/s", "naive TFLOP/s", "matmul TFLOP/s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    body = []
     for r in rows:
         o, n = r["ours"], r["naive"]
         cells = [
@@ -248,8 +233,8 @@ def table(rows: list[dict], cuda: bool) -> str:
         if cuda:
             flops = gemm_flops(r["bt"], r["h"], r["v"], r["mode"])
             cells += [f"{flops / t / 1e12:.1f}" for t in (o["time_s"], n["time_s"], r["matmul_s"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        body.append(cells)
+    return harness.markdown_table(head, body)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -257,11 +242,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Time and peak memory of the backward operator vs a naive implementation.",
         epilog="Defaults: BT=4096 H=1024 V=32768,131072; --quick: BT=512 H=256 V=4096,16384.",
     )
-    p.add_argument("--quick", action="store_true", help="a small shape (seconds, not minutes)")
+    harness.add_common_args(
+        p, DTYPES, "timed calls, best shown (CPU 2, CUDA 10); the first of them also "
+        "measures memory",
+    )  # fmt: skip
     p.add_argument("--bt", type=int, help="tokens (default 4096; --quick 512)")
     p.add_argument("--hidden", type=int, help="hidden size H (default 1024; --quick 256)")
     p.add_argument("--vocab", type=int, nargs="+", help="vocabulary sizes V of the shard")
-    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument(
         "--more-v-modes", nargs="+", choices=MODES, default=["memory_saving"],
@@ -270,45 +257,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--backends", nargs="+", choices=("torch", "triton"),
-        help="operator backends (default: triton on CUDA, torch on CPU)",
+        help="operator backends (default: triton on CUDA, torch on CPU; triton on CPU runs "
+        "under Triton's interpreter: tiny shapes only)",
     )  # fmt: skip
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument(
-        "--repeats", type=int, help="timed calls, best shown (CPU 2, CUDA 10); the first "
-        "of them also measures memory",
-    )  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="also write the raw results to this file")
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per CPU subprocess")
     args = p.parse_args(argv)
-    args.bt = args.bt or (512 if args.quick else 4096)
-    args.hidden = args.hidden or (256 if args.quick else 1024)
-    args.vocab = args.vocab or ([4096, 16384] if args.quick else [32768, 131072])
-    return args
+    return harness.fill_defaults(
+        args, bt=(4096, 512), hidden=(1024, 256), vocab=([32768, 131072], [4096, 16384])
+    )
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.child:
-        print(RESULT + json.dumps(run_case(json.loads(args.child))), flush=True)
-        return 0
-    name = args.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench: --device cuda requested but CUDA is not available")
+    name, where = harness.pick_device(args.device)
     cuda = name == "cuda"
-    if cuda:
-        where = torch.cuda.get_device_name()
-    else:
-        where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     backends = args.backends or (["triton"] if cuda else ["torch"])
     repeats = args.repeats or (10 if cuda else 2)
     if not cuda and "triton" in backends:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # for the subprocesses
     print(f"# bench_backward: {name} ({where}), torch {torch.__version__}")
     print(f"# BT={args.bt} H={args.hidden} V={args.vocab}, best of {repeats} calls")
-    print(f"# load average before: {_loadavg()} (other work on the machine skews the times)")
+    harness.print_load_before()
+
+    def run(case):  # on CPU in a fresh process: its peak RSS is this case's alone
+        return run_case(case) if cuda else in_subprocess(case, args.timeout)
+
     rows, failures = [], []
     t_start = time.perf_counter()
     for v in args.vocab:
@@ -317,7 +290,6 @@ def main(argv=None) -> int:
             for dt in args.dtypes:
                 base = {"device": name, "bt": args.bt, "h": args.hidden, "v": v, "mode": mode}
                 base |= {"dtype": dt, "repeats": repeats, "seed": args.seed}
-                run = run_case if cuda else in_subprocess
                 naive = run(base | {"impl": "naive"})
                 matmul_s = run_matmul(base) if cuda else None
                 for b in backends:
@@ -325,19 +297,13 @@ def main(argv=None) -> int:
                     row = {"v": v, "mode": mode, "dtype": dt, "backend": b, "bt": args.bt}
                     row |= {"h": args.hidden, "ours": ours, "naive": naive, "matmul_s": matmul_s}
                     rows.append(row)
-                    # Sanity: both sides compute the same gradients.
-                    for a, c, what in zip(
-                        ours["norms"], naive["norms"], ("input", "weight"), strict=True
-                    ):
-                        if abs(a - c) > 1e-2 * max(abs(c), 1e-30):
-                            failures.append(f"{v} {mode} {dt} {b}: |grad_{what}| {a} vs {c}")
-                    print(
-                        f"#   V={v} {mode} {dt} {b}: ours {ours['time_s'] * 1e3:.0f} ms, "
-                        f"naive {naive['time_s'] * 1e3:.0f} ms "
-                        f"({time.perf_counter() - t_start:.0f} s elapsed)",
-                        flush=True,
+                    failures += compare(ours, naive, f"{v} {mode} {dt} {b}")
+                    harness.print_progress(
+                        f"V={v} {mode} {dt} {b}: ours {ours['time_s'] * 1e3:.0f} ms, "
+                        f"naive {naive['time_s'] * 1e3:.0f} ms",
+                        t_start,
                     )
-    print(f"# load average after: {_loadavg()}, {time.perf_counter() - t_start:.0f} s in all")
+    harness.print_load_after(t_start)
     method = rows[0]["ours"]["mem_method"] if rows else "-"
     print()
     print(table(rows, cuda))
@@ -347,9 +313,7 @@ def main(argv=None) -> int:
         f"than wall time on a shared machine). temp MiB: peak memory of one call beyond its inputs "
         f"and outputs ({method}). outputs MiB: grad_input + grad_weight (same for both)."
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": where, "rows": rows}, f, indent=1)
+    harness.write_json(args.json, {"args": vars(args), "device": where, "rows": rows})
     if failures:
         print("\nMISMATCH between the operator and the naive implementation:")
         print("\n".join(failures))
@@ -358,4 +322,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(harness.script_main(main, run_case))

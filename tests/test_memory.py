@@ -1,6 +1,6 @@
 """Memory: memory-saving mode's peak extra memory does not grow with the vocabulary.
 
-Each measurement runs in a fresh subprocess (peak RSS on CPU, see vocab_parallel.memory).
+Each measurement runs in a fresh subprocess (peak RSS on CPU, see benchmarks/memory.py).
 The forward + backward of the loss at V and at 4V, same BT and H: beyond the weight's
 gradient (which is V x H by nature), the peak must stay flat, while the naive
 ``F.cross_entropy(F.linear(...))`` grows with V, which shows the measurement can fail.
@@ -9,6 +9,7 @@ gradient (which is V x H by nature), the peak must stay flat, while the naive
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,8 @@ import textwrap
 import pytest
 
 MIB = 1 << 20
+# The child runs in the repository root, where ``python -c`` finds ``benchmarks``.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = textwrap.dedent(
     """
@@ -23,7 +26,7 @@ CHILD = textwrap.dedent(
     import torch
     import torch.nn.functional as F
     import vocab_parallel as vp
-    from vocab_parallel.memory import PeakMemory
+    from benchmarks.memory import PeakMemory
 
     impl, bt, h, v = sys.argv[1], *map(int, sys.argv[2:5])
     torch.manual_seed(0)
@@ -54,6 +57,7 @@ def measure(impl: str, bt: int, h: int, v: int) -> int:
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Peak extra memory of a block of code, on CUDA and on CPU (for benchmarks and tests).
+"""Peak extra memory of a block of code, on CUDA and on CPU (benchmarks, tests/test_memory.py).
 
     with PeakMemory(device) as peak:
         loss = f(x); loss.backward()

@@ -1,0 +1,107 @@
+"""The report of ``bench_loss.py``: the table, its legend, and the issue's targets."""
+
+from __future__ import annotations
+
+from benchmarks.harness import MIB, markdown_table
+from benchmarks.implementations import IMPLS
+
+# Relative loss difference allowed against the matching naive fp32 reference. bf16 rows
+# differ from it by the rounding of their bf16 logits (ours and DeepSpeed: fp32 logits).
+LOSS_TOL = {"fp32": 1e-4, "bf16": 2e-2}
+# Peaks within MEM_TIE count as a tie ("no more memory"): it is the resolution of RSS
+# measurements (ranks doing identical work differ by ~0.1 MiB).
+MEM_TIE = 1 * MIB
+
+
+def summarise(res: dict) -> dict:
+    """Fastest call (of the slowest rank per call), largest peak, rank 0's loss."""
+    ranks = res["ranks"]
+    per_call = [max(r["times_s"][i] for r in ranks) for i in range(len(ranks[0]["times_s"]))]
+    return res | {
+        "time_s": min(per_call),
+        "peak_bytes": max(r["peak_bytes"] for r in ranks),
+        "grads_bytes": max(r["grads_bytes"] for r in ranks),
+        "loss": ranks[0]["loss"],
+        "mem_method": ranks[0]["mem_method"],
+        "threads": ranks[0]["threads"],
+    }
+
+
+def table(rows: list[dict], naive: dict, refs: dict) -> str:
+    head = ["implementation", "ranks", "dtype", "threads/rank", "best ms", "time / naive"]
+    head += ["peak extra MiB", "loss", "|loss - ref|", "status"]
+    body = []
+    for r in rows:
+        cells = [IMPLS[r["impl"]][0], str(r["world"]), r["dtype"]]
+        if r["status"] != "ok":
+            cells += ["", "", "", "", "", "", r["status"]]
+        else:
+            base = naive.get(r["dtype"])
+            ratio = f"{r['time_s'] / base:.2f}" if base else "-"
+            ref = refs.get(r["dtype"])
+            diff = "-" if ref is None else f"{abs(r['loss'] - ref):.1e}"
+            if r.get("mismatch"):
+                diff += " MISMATCH"
+            cells += [
+                str(r["threads"]), f"{r['time_s'] * 1e3:.0f}", ratio,
+                f"{r['peak_bytes'] / MIB:.0f}", f"{r['loss']:.5f}", diff, "ok",
+            ]  # fmt: skip
+        body.append(cells)
+    return markdown_table(head, body)
+
+
+def legend(rows: list[dict], repeats: int, ds_chunk) -> str:
+    method = next((r["mem_method"] for r in rows if r["status"] == "ok"), "-")
+    grads = {(r["world"], r["dtype"]): r["grads_bytes"] / MIB for r in rows if r["status"] == "ok"}
+    return (
+        f"best ms: fastest of {repeats} fwd+bwd calls after a warm-up (several ranks: of the "
+        f"slowest rank per call). time / naive: against naive of the same dtype, 1 rank. "
+        f"peak extra MiB: peak memory of one fwd+bwd beyond the inputs ({method}), largest "
+        f"rank, INCLUDING the gradients of hidden and weight ("
+        + ", ".join(f"{w} rank(s) {d}: {m:.0f} MiB" for (w, d), m in sorted(grads.items()))
+        + "). |loss - ref|: against naive fp32 on the same inputs (bf16 rows: on the "
+        f"bf16-rounded inputs); tolerance {LOSS_TOL['fp32']:g} (fp32), {LOSS_TOL['bf16']:g} "
+        f"(bf16) relative. DeepSpeed chunk_size={ds_chunk}."
+    )
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{abs(a / b - 1) * 100:.1f}% {'slower' if a > b else 'faster'}"
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The issue's two targets (fp32, 1 rank) as PASS/FAIL lines."""
+
+    def get(impl):
+        for r in rows:
+            if (r["impl"], r["world"], r["dtype"]) == (impl, 1, "fp32") and r["status"] == "ok":
+                return r
+        return None
+
+    ms, hp, naive, ds = get("ours_ms"), get("ours_hp"), get("naive"), get("deepspeed")
+    out = []
+    if ms and ds:
+        t_ok = ms["time_s"] <= ds["time_s"]
+        m_diff = ms["peak_bytes"] - ds["peak_bytes"]
+        m_ok = m_diff <= MEM_TIE
+        m_word = (
+            "ok" if m_diff <= 0 else (f"tie within {MEM_TIE / MIB:.0f} MiB" if m_ok else "more")
+        )
+        out.append(
+            f"{'PASS' if t_ok and m_ok else 'FAIL'}: memory-saving no slower than DeepSpeed "
+            f"(chunked) and no more extra memory: time {ms['time_s'] * 1e3:.0f} vs "
+            f"{ds['time_s'] * 1e3:.0f} ms ({_pct(ms['time_s'], ds['time_s'])}), peak "
+            f"{ms['peak_bytes'] / MIB:.1f} vs {ds['peak_bytes'] / MIB:.1f} MiB ({m_word})"
+        )
+    else:
+        out.append("n/a: memory-saving vs DeepSpeed (one of them did not run)")
+    if hp and naive:
+        ratio = hp["time_s"] / naive["time_s"]
+        out.append(
+            f"{'PASS' if ratio <= 1.10 else 'FAIL'}: high-performance within 10% of naive's "
+            f"time: {hp['time_s'] * 1e3:.0f} vs {naive['time_s'] * 1e3:.0f} ms "
+            f"({_pct(hp['time_s'], naive['time_s'])})"
+        )
+    else:
+        out.append("n/a: high-performance vs naive (one of them did not run)")
+    return out

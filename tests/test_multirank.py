@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import HAS_TRITON
 from multirank import run_ranks
 
 from vocab_parallel.testing import Case, check_case, grid
@@ -35,6 +36,7 @@ def test_torch_backend_grid(world):
 
 
 # Triton kernels through the interpreter: smaller shapes, every mode, dtype and smoothing.
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("world", [2, 3])
 def test_triton_backend_grid(world):
     cases = grid(

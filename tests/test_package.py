@@ -1,0 +1,158 @@
+"""Packaging: the wheel holds the library alone and needs torch alone.
+
+The wheel is built from a copy of the repository (what a clean checkout holds: the paths
+``.gitignore`` names are left out) so that the build writes no ``build/`` or ``*.egg-info``
+into the working tree, and no stale ``build/lib`` from an earlier build leaks into it.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "vocab_parallel"
+# The applications and their helpers stay out of the library.
+NOT_LIBRARY = {"gpt.py", "data.py", "training.py", "memory.py"}
+APP_DIRS = ("launch", "benchmarks")
+# What the library must import without: the train/test extras, Triton and DeepSpeed.
+OPTIONAL = ("numpy", "yaml", "triton", "deepspeed", "tokenizers", "tqdm", "matplotlib")
+
+
+def _ignored_names() -> list[str]:
+    """``.gitignore``'s patterns (as plain name globs) and ``.git``."""
+    patterns = [".git"]
+    gitignore = ROOT / ".gitignore"
+    if gitignore.exists():
+        for line in gitignore.read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith(("#", "!")):
+                patterns.append(line.strip("/"))
+    return patterns
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*_ignored_names()))
+    out = tmp / "dist"
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    cmd += ["--no-index", "--quiet", "-w", str(out), str(src)]
+    env = os.environ | {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, f"pip wheel failed:\n{done.stdout}\n{done.stderr}"
+    wheels = list(out.glob("*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+def _names(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.namelist()
+
+
+def test_wheel_holds_the_library(wheel):
+    names = set(_names(wheel))
+    assert f"{PACKAGE}/__init__.py" in names
+    # Every module of the kernels (top-level kernels/, installed as vocab_parallel.kernels)
+    # and of the integrations.
+    for src_dir, dest in (
+        (ROOT / "kernels", f"{PACKAGE}/kernels"),
+        (ROOT / PACKAGE / "integrations", f"{PACKAGE}/integrations"),
+    ):
+        expected = {f"{dest}/{p.name}" for p in src_dir.glob("*.py")}
+        assert f"{dest}/__init__.py" in expected, f"{src_dir} is not a package"
+        assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
+
+
+def test_wheel_holds_nothing_but_the_library(wheel):
+    names = _names(wheel)
+    top = {n.split("/", 1)[0] for n in names}
+    dist_info = {t for t in top if t.endswith(".dist-info")}
+    assert len(dist_info) == 1 and top - dist_info == {PACKAGE}, sorted(top)
+    # A module of launch/ or benchmarks/ copied into the package: same bytes.
+    app_files = {p.read_bytes() for d in APP_DIRS for p in (ROOT / d).glob("*.py")}
+    app_files.discard(b"")
+    with zipfile.ZipFile(wheel) as zf:
+        unwanted = [
+            n for n in names if n.rsplit("/", 1)[-1] in NOT_LIBRARY or zf.read(n) in app_files
+        ]
+    assert not unwanted, f"not library code, but in the wheel: {unwanted}"
+
+
+def test_wheel_requires_torch_alone(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        (meta,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        text = zf.read(meta).decode()
+    requires = email.parser.Parser().parsestr(text).get_all("Requires-Dist") or []
+    unconditional = [r for r in requires if not re.search(r"\bextra\s*==", r)]
+    names = [re.match(r"[A-Za-z0-9._-]+", r).group(0).lower() for r in unconditional]
+    assert names == ["torch"], requires
+
+
+def test_imports_and_trains_without_the_optional_packages(wheel, tmp_path):
+    """From the unpacked wheel, with every optional package unimportable.
+
+    torch itself imports without numpy (it warns that NumPy is unavailable), so numpy is
+    blocked too.
+    """
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    code = textwrap.dedent(
+        f"""
+        import sys
+
+        BLOCKED = {OPTIONAL!r}
+        for name in BLOCKED:
+            sys.modules[name] = None  # "import name" now raises ImportError
+
+        import torch
+        import torch.nn.functional as F
+
+        import vocab_parallel as vp
+
+        assert vp.__file__.startswith({str(site)!r}), vp.__file__
+        assert vp.shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+        assert issubclass(vp.VocabParallelLMHead, torch.nn.Module)
+
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+        weight = torch.randn(13, 8, generator=g, requires_grad=True)
+        target = torch.randint(0, 13, (2, 5), generator=g)
+        loss = vp.vocab_parallel_linear_cross_entropy(hidden, weight, target, backend="torch")
+        loss.backward()
+        ref = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), target.flatten())
+        torch.testing.assert_close(loss, ref)
+        assert hidden.grad.abs().sum() > 0 and weight.grad.abs().sum() > 0
+
+        head = vp.VocabParallelLMHead(hidden_size=8, vocab_size=13, backend="torch")
+        head(hidden.detach(), target).backward()
+        assert head.weight.grad is not None
+
+        still_blocked = [n for n in BLOCKED if sys.modules.get(n, None) is not None]
+        assert not still_blocked, still_blocked
+        print("ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr

@@ -1,4 +1,4 @@
-"""Triton kernels of the fused linear + cross-entropy backward.
+"""Triton kernel of the fused linear + cross-entropy backward, and its launcher.
 
 The backward of ``loss = CE(x @ W.T, y)`` over one vocabulary shard is
 
@@ -7,19 +7,21 @@ The backward of ``loss = CE(x @ W.T, y)`` over one vocabulary shard is
     grad_weight = G.T @ x
 
 The full ``G`` is ``[BT, V]``; we never hold it. The launcher walks the vocabulary in
-chunks of ``CV`` columns. For each chunk:
+chunks of ``CV`` columns. For each chunk, ``_logits_grad_kernel`` recomputes the logits
+tile by tile (memory-saving mode) or reads the saved softmax (high-performance mode) and
+applies the whole epilogue in registers: exp, normalise, one-hot, label smoothing, scale
+by ``grad``, round to the input dtype. Only the chunk ``G[:, v0:v0+CV]`` reaches memory.
 
-1. ``_logits_grad_kernel`` recomputes the logits tile by tile (memory-saving mode) or
-   reads the saved softmax (high-performance mode) and applies the whole epilogue in
-   registers: exp, normalise, one-hot, label smoothing, scale by ``grad``, round to the
-   input dtype. Only the chunk ``G[:, v0:v0+CV]`` reaches memory.
-2. ``_matmul_kernel`` adds ``G_chunk @ W_chunk`` into an fp32 ``grad_input``
-   accumulator, and writes ``G_chunk.T @ x`` straight into ``grad_weight[v0:v0+CV]``.
+The two gradient GEMMs are what cuBLAS does best: they go through torch (fp32 outputs,
+``vocab_parallel.precision``) in the chunk loop shared with the torch backend
+(``vocab_parallel.torch_backend.gradient_products``): ``grad_input`` accumulates each
+chunk's ``G_c @ W_c`` in fp32, ``grad_weight[v0:v0+CV] = G_c.T @ x``. Under Triton's
+interpreter the same loop runs the same torch calls on CPU tensors.
 
-Every output element is produced by exactly one program, and chunks are visited in a
-fixed order, so results are bitwise deterministic (no atomics). Memory beyond inputs and
-outputs is one ``[BT, CV]`` chunk plus the ``[BT, H]`` fp32 accumulator; neither grows
-with V.
+Chunks are visited in a fixed order and every kernel output element is written by one
+program (no atomics): results are bitwise deterministic. Memory beyond inputs and outputs
+is one ``[BT, CV]`` chunk, the ``[BT, H]`` fp32 accumulator, and (half inputs) the fp32
+products of one chunk; none grows with V.
 
 This module knows nothing of torch.distributed nor of input validation: the public
 operator validates, this launcher allocates and launches.
@@ -31,7 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
-from vocab_parallel.kernels.common import dot_in_fp32, interpreting, logits_tile, tile_config
+from vocab_parallel.kernels.common import (
+    TileConfig,
+    device_capability,
+    dot_in_fp32,
+    interpreting,
+    logits_tile,
+    tile_config,
+    tile_configs,
+)
+from vocab_parallel.torch_backend import gradient_products
 
 # Bytes of the G chunk buffer the launcher aims for; ``CV`` follows from it and BT.
 CHUNK_BYTES = 256 * 1024 * 1024
@@ -52,19 +63,17 @@ def _round_bf16_rtne(v):
 @triton.jit
 def _logits_grad_kernel(
     # Pointers
-    x_ptr,  # [BT, H] input
-    w_ptr,  # [V, H] weight (rows of this shard)
+    x_ptr,  # [BT, H] input (memory-saving mode)
+    w_ptr,  # [V, H] weight, rows of this shard (memory-saving mode)
     softmax_ptr,  # [BT, V] fp32 saved softmax (only read when HAS_SOFTMAX)
     grad_ptr,  # [BT] or [1] fp32 upstream gradient
-    mask_ptr,  # uint8: packed bits (MASK_PACKED) or one byte per row
-    target_ptr,  # [BT] int32/int64 local target index
+    target_ptr,  # [BT] int64 local target column, -1 where not on this shard
     max_ptr,  # [BT] fp32 global logits max (memory-saving mode)
     sumexp_ptr,  # [BT] fp32 global sum of exp(logits - max) (memory-saving mode)
     g_ptr,  # [BT, CV] output chunk of G, input dtype
     # Sizes
     BT,
     H,
-    V,  # columns of the whole shard (for clamping targets)
     v_start,  # first shard column of this chunk
     n_cols,  # columns in this chunk
     # Strides
@@ -75,7 +84,6 @@ def _logits_grad_kernel(
     stride_sm,
     stride_sn,
     stride_grad,  # 0 broadcasts a single upstream gradient
-    stride_target,
     stride_gm,
     stride_gn,
     # Scalars of the target distribution q = on_target * onehot + smooth_all
@@ -83,15 +91,15 @@ def _logits_grad_kernel(
     smooth_all,  # label_smoothing / global_vocab_size
     # Meta-parameters
     HAS_SOFTMAX: tl.constexpr,
-    MASK_PACKED: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast operands to fp32 before tl.dot (fp32 inputs, interpreter)
     ROUND_BF16: tl.constexpr,  # round G to bf16 by hand (interpreter truncates)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # int64 rows and columns: rows * stride_sm passes 2^31 for a big saved softmax.
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns within the chunk
     row_ok = rows < BT
@@ -115,17 +123,9 @@ def _logits_grad_kernel(
         row_sum = tl.load(sumexp_ptr + rows, mask=row_ok, other=1.0)
         prob = tl.exp(acc - row_max[:, None]) / row_sum[:, None]
 
-    # One-hot of the local target, only where the row's target lives on this shard.
-    target = tl.load(target_ptr + rows * stride_target, mask=row_ok, other=0).to(tl.int64)
-    target = tl.minimum(tl.maximum(target, 0), V - 1)
-    if MASK_PACKED:
-        byte = tl.load(mask_ptr + rows // 8, mask=row_ok, other=1).to(tl.int32)
-        not_here = (byte >> (rows % 8)) & 1
-    else:
-        not_here = tl.load(mask_ptr + rows, mask=row_ok, other=1).to(tl.int32)
-    here = (1 - not_here).to(tl.float32)
-    is_target = vcols[None, :] == target[:, None]
-    onehot = tl.where(is_target, (here * on_target)[:, None], 0.0)
+    # One-hot of the local target (-1, never a column, where the target is elsewhere).
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+    onehot = tl.where(vcols[None, :] == target[:, None], on_target, 0.0)
 
     upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
     g = (prob - smooth_all - onehot) * upstream[:, None]
@@ -138,97 +138,37 @@ def _logits_grad_kernel(
     )
 
 
-@triton.jit
-def _matmul_kernel(
-    # Pointers
-    a_ptr,  # [M, K]
-    b_ptr,  # [K, N]
-    c_ptr,  # [M, N] output; read too when ACCUMULATE
-    # Sizes
-    M,
-    N,
-    K,
-    # Strides
-    stride_am,
-    stride_ak,
-    stride_bk,
-    stride_bn,
-    stride_cm,
-    stride_cn,
-    # Meta-parameters
-    ACCUMULATE: tl.constexpr,  # c += a @ b instead of c = a @ b
-    DOT_FP32: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,  # row-blocks per group, for L2 reuse of b
-):
-    # Grouped ordering: consecutive programs share columns of b.
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * n_n
-    group = pid // per_group
-    first_m = group * GROUP_M
-    group_size = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        a = tl.load(
-            a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak,
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
-            mask=k_ok[:, None] & n_ok[None, :],
-            other=0.0,
-        )
-        if DOT_FP32:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    c_ok = m_ok[:, None] & n_ok[None, :]
-    if ACCUMULATE:
-        acc += tl.load(c_ptrs, mask=c_ok, other=0.0).to(tl.float32)
-    if ROUND_BF16:
-        acc = _round_bf16_rtne(acc)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_ok)
+def _meta(dtype: torch.dtype, has_softmax: bool, tile: TileConfig) -> dict:
+    """Constexprs and launch options of one launch (shared with :func:`launch_variants`)."""
+    return dict(
+        HAS_SOFTMAX=has_softmax,
+        DOT_FP32=dot_in_fp32(dtype),
+        ROUND_BF16=interpreting() and dtype == torch.bfloat16,
+        **tile.meta(),
+    )
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool) -> None:
-    """``c (+)= a @ b`` with fp32 accumulation; any strides, any sizes."""
-    M, K = a.shape
-    N = b.shape[1]
-    if M == 0 or N == 0:
-        return
-    bm, bn, bk, warps = tile_config(a.dtype)
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _matmul_kernel[grid](
-        a, b, c,
-        M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        ACCUMULATE=accumulate,
-        DOT_FP32=dot_in_fp32(a.dtype),
-        ROUND_BF16=interpreting() and c.dtype == torch.bfloat16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        num_warps=warps,
-    )  # fmt: skip
+def _kernel_name(has_softmax: bool) -> str:
+    return "softmax_grad" if has_softmax else "logits_grad"
 
 
-def chunk_columns(bt: int, v: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Columns per vocabulary chunk: ``[bt, cols]`` of ``itemsize`` fits ``chunk_bytes``."""
-    cols = chunk_bytes // max(1, bt * itemsize)
+def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
+    """Every ``(kernel, input dtype, constexprs and launch options)`` this launcher can
+    choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
+    variants = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for has_softmax in (False, True):
+            for tile in tile_configs(_kernel_name(has_softmax), dtype, capability):
+                variants.append((_logits_grad_kernel, dtype, _meta(dtype, has_softmax, tile)))
+    return variants
+
+
+def chunk_columns(
+    bt: int, v: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES, h: int = 0
+) -> int:
+    """Columns per vocabulary chunk: a ``[bt, cols]`` chunk of ``itemsize``, and the fp32
+    ``[cols, h]`` product of ``grad_weight``'s rows, each fit ``chunk_bytes``."""
+    cols = chunk_bytes // max(1, bt * itemsize, h * 4)
     cols = max(128, cols // 128 * 128)
     return max(1, min(v, cols))
 
@@ -237,60 +177,64 @@ def fused_backward(
     grad: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
-    mask: torch.Tensor,
-    mask_packed: bool,
-    target: torch.Tensor,
+    local_target: torch.Tensor,
     logits_max: torch.Tensor | None,
     sum_exp_logits: torch.Tensor | None,
     softmax: torch.Tensor | None,
     on_target: float,
     smooth_all: float,
+    *,
+    need_input_grad: bool = True,
+    need_weight_grad: bool = True,
     grad_input_dtype: torch.dtype | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward over vocabulary chunks; inputs are already validated.
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward over vocabulary chunks; inputs are already validated.
 
-    ``mask`` is uint8 (bit-packed when ``mask_packed``, else one byte per row);
-    ``grad`` is ``[BT]`` or ``[1]`` fp32. Returns ``(grad_input, grad_weight)`` in
-    ``x.dtype``.
+    Same interface as ``vocab_parallel.torch_backend.fused_backward``: ``local_target`` is
+    int64 ``[BT]`` in ``[0, V)``, -1 where no one-hot is subtracted on this shard;
+    ``grad`` is ``[BT]`` or ``[1]`` fp32. Returns ``(grad_input, grad_weight)``, None for
+    a gradient that is not needed.
     """
     bt, h = x.shape
     v = weight.shape[0]
-    grad_weight = torch.empty((v, h), dtype=x.dtype, device=x.device)
-    if bt == 0 or h == 0 or v == 0:
-        grad_weight.zero_()
-        return torch.zeros((bt, h), dtype=grad_input_dtype or x.dtype, device=x.device), grad_weight
-
     has_softmax = softmax is not None
+    tile = tile_config(_kernel_name(has_softmax), x.dtype, device_capability(x.device), bt)
+    meta = _meta(x.dtype, has_softmax, tile)
+    target = local_target.contiguous()
     dummy = grad  # stands in for pointers the chosen mode never reads
     smax = softmax if has_softmax else dummy
-    lmax = dummy if has_softmax else logits_max
-    lsum = dummy if has_softmax else sum_exp_logits
+    lmax = dummy if has_softmax else logits_max.contiguous()
+    lsum = dummy if has_softmax else sum_exp_logits.contiguous()
     s_strides = (softmax.stride(0), softmax.stride(1)) if has_softmax else (0, 0)
+    stride_grad = grad.stride(0) if grad.shape[0] == bt else 0
+    cv = chunk_columns(bt, v, x.element_size(), chunk_bytes, h)
+    g_buf = None
 
-    cv = chunk_columns(bt, v, x.element_size(), chunk_bytes)
-    g_chunk = torch.empty((bt, cv), dtype=x.dtype, device=x.device)
-    acc_input = torch.empty((bt, h), dtype=torch.float32, device=x.device)
-    bm, bn, bk, warps = tile_config(x.dtype)
-    dot_fp32 = dot_in_fp32(x.dtype)
-    for v0 in range(0, v, cv):
-        n = min(cv, v - v0)
-        g = g_chunk[:, :n]
-        grid = (triton.cdiv(bt, bm), triton.cdiv(n, bn))
+    def make_g(v0: int, v1: int, x_op, w_op) -> torch.Tensor:
+        nonlocal g_buf
+        if g_buf is None:
+            g_buf = torch.empty((bt, cv), dtype=x.dtype, device=x.device)
+        n = v1 - v0
+        g = g_buf[:, :n]
+        grid = (triton.cdiv(bt, tile.BLOCK_M), triton.cdiv(n, tile.BLOCK_N))
         _logits_grad_kernel[grid](
-            x, weight, smax, grad, mask, target, lmax, lsum, g,
-            bt, h, v, v0, n,
+            x, weight, smax, grad, target, lmax, lsum, g,
+            bt, h, v0, n,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            s_strides[0], s_strides[1],
-            grad.stride(0) if grad.shape[0] == bt else 0,
-            target.stride(0), g.stride(0), g.stride(1),
+            s_strides[0], s_strides[1], stride_grad, g.stride(0), g.stride(1),
             on_target, smooth_all,
-            HAS_SOFTMAX=has_softmax, MASK_PACKED=mask_packed, DOT_FP32=dot_fp32,
-            ROUND_BF16=interpreting() and x.dtype == torch.bfloat16,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=warps,
+            **meta,
         )  # fmt: skip
-        w_chunk = weight[v0 : v0 + n]
-        _matmul(g, w_chunk, acc_input, accumulate=v0 > 0)
-        _matmul(g.t(), x, grad_weight[v0 : v0 + n], accumulate=False)
-    return acc_input.to(grad_input_dtype or x.dtype), grad_weight
+        return g
+
+    return gradient_products(
+        x,
+        weight,
+        cv,
+        make_g,
+        g_reads_operands=False,
+        need_input_grad=need_input_grad,
+        need_weight_grad=need_weight_grad,
+        grad_input_dtype=grad_input_dtype,
+    )

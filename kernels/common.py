@@ -1,12 +1,46 @@
-"""Pieces shared by the forward and backward kernels: the logits tile, launch settings."""
+"""Pieces shared by the forward and backward kernels: the logits tile and tile choices.
+
+Addresses: Triton passes an int argument below 2^31 as i32, and ``program_id`` and
+``arange`` are i32, so ``rows * stride`` wraps once an offset passes 2^31 (a [BT, V]
+fp32 softmax of 16,744 x 128,256 does). Every row and column index is therefore widened
+to int64 before it meets a stride.
+
+Tiles: :func:`tile_config` picks the tile of each kernel from (compute capability,
+dtype, rows) out of a small table whose every entry fits the target's shared memory
+(``tests/test_gpu_compile.py`` compiles each of them ahead of time for sm_80, sm_90 and
+sm_100 and checks shared memory and registers). The device is queried lazily, once per
+device, never at import time.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+KIB = 1024
+# Largest shared memory one block may use (the opt-in limit), by compute capability.
+SMEM_LIMIT = {
+    (8, 0): 163 * KIB,  # A100 (164 KiB per SM)
+    (8, 6): 99 * KIB,
+    (8, 7): 163 * KIB,
+    (8, 9): 99 * KIB,
+    (9, 0): 227 * KIB,  # H100, H200
+    (10, 0): 227 * KIB,  # B200
+    (10, 3): 227 * KIB,
+    (12, 0): 99 * KIB,
+}
+# The targets the ahead-of-time compile test covers.
+AOT_TARGETS = ((8, 0), (9, 0), (10, 0))
+
+# Kernels with a tile table: the two that multiply (logits recompute in the backward,
+# the forward statistics) and the backward from a saved softmax (streams, no product).
+MATMUL_KERNELS = ("forward_stats", "logits_grad")
+STREAM_KERNELS = ("softmax_grad",)
 
 
 def interpreting() -> bool:
@@ -14,13 +48,108 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def tile_config(dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for operands of ``dtype``."""
-    if interpreting():
-        return 32, 32, 32, 4  # each program is numpy work: big enough, still cheap
+def smem_limit(capability: tuple[int, int]) -> int:
+    """Shared memory per block on ``capability``; unknown parts get the smallest (99 KiB)."""
+    return SMEM_LIMIT.get(tuple(capability), 99 * KIB)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+
+    def meta(self) -> dict:
+        """Keyword arguments of a launch: the block constexprs and the launch options."""
+        return dict(
+            BLOCK_M=self.BLOCK_M,
+            BLOCK_N=self.BLOCK_N,
+            BLOCK_K=self.BLOCK_K,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
+
+    def smem_bound(self, itemsize: int) -> int:
+        """Upper bound of the pipelined operand buffers of a matmul tile: ``num_stages``
+        copies of an ``[M, K]`` and a ``[K, N]`` tile (Triton allocates at most that)."""
+        return self.num_stages * (self.BLOCK_M + self.BLOCK_N) * self.BLOCK_K * itemsize
+
+
+INTERPRETER_TILE = TileConfig(32, 32, 32, 4, 1)  # each program is numpy work: cheap, not tiny
+# Rows at or below which the backward uses 64-row tiles (fewer wasted rows).
+SMALL_ROWS = 64
+
+# Half-precision tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, deepest pipeline) by kernel
+# and architecture family (8: Ampere/Ada, 9: Hopper, 10: Blackwell and later). The
+# forward keeps an online max/sum-exp beside each tile and may store it: wider tiles make
+# ptxas spill there (scripts/aot_compile.py shows it), so its tiles are narrower.
+_HALF_TILES = {
+    ("forward_stats", 8): (64, 64, 64, 8, 3),
+    ("forward_stats", 9): (64, 64, 64, 8, 4),
+    ("forward_stats", 10): (128, 32, 64, 8, 4),
+    ("logits_grad", 8): (128, 128, 64, 8, 4),
+    ("logits_grad", 9): (128, 128, 64, 8, 4),
+    ("logits_grad", 10): (128, 128, 64, 8, 4),
+}
+# Exact fp32 products ("ieee": FMA, no tensor cores): small tiles, every architecture.
+_FP32_TILES = {
+    "forward_stats": TileConfig(32, 32, 32, 8, 3),
+    "logits_grad": TileConfig(64, 64, 32, 4, 3),
+}
+
+
+def _family(capability: tuple[int, int]) -> int:
+    return min(max(capability[0], 8), 10)
+
+
+def _matmul_tile(
+    kernel: str, dtype: torch.dtype, capability: tuple[int, int], small: bool
+) -> TileConfig:
     if dtype == torch.float32:
-        return 64, 64, 32, 4
-    return 128, 128, 64, 8
+        return _FP32_TILES[kernel]
+    bm, bn, bk, warps, stages = _HALF_TILES[kernel, _family(capability)]
+    if small and kernel == "logits_grad":
+        bm, warps = 64, 4
+    # The deepest pipeline whose operand buffers leave room for the epilogue's scratch.
+    for depth in range(stages, 1, -1):
+        cfg = TileConfig(bm, bn, bk, warps, depth)
+        if cfg.smem_bound(2) + 32 * KIB <= smem_limit(capability):
+            return cfg
+    return TileConfig(bm, bn, bk // 2, warps, 2)
+
+
+def tile_config(
+    kernel: str, dtype: torch.dtype, capability: tuple[int, int] | None, rows: int = 1 << 20
+) -> TileConfig:
+    """The tile of ``kernel`` for inputs of ``dtype`` and ``rows`` rows on a device of
+    compute ``capability`` (None: Triton's interpreter)."""
+    if capability is None:
+        return INTERPRETER_TILE
+    if kernel in STREAM_KERNELS:  # fp32 softmax in, G out: bandwidth only
+        return TileConfig(32, 128, 16, 4, 1)
+    if kernel not in MATMUL_KERNELS:
+        raise ValueError(f"kernel: unknown kernel {kernel!r}")
+    return _matmul_tile(kernel, dtype, tuple(capability), rows <= SMALL_ROWS)
+
+
+def tile_configs(kernel: str, dtype: torch.dtype, capability: tuple[int, int]) -> list[TileConfig]:
+    """Every tile :func:`tile_config` can choose for ``kernel`` on ``capability``."""
+    configs = [tile_config(kernel, dtype, capability, rows) for rows in (SMALL_ROWS, 1 << 20)]
+    return list(dict.fromkeys(configs))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """Compute capability of ``device`` (queried once per device); None when interpreting."""
+    if interpreting() or device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -33,7 +162,7 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 def logits_tile(
     x_ptr,  # [BT, H] input
     w_ptr,  # [V, H] weight rows
-    rows,  # [BLOCK_M] row indices
+    rows,  # [BLOCK_M] row indices (int64)
     cols,  # [BLOCK_N] weight-row (vocabulary) indices
     row_ok,  # [BLOCK_M] rows < BT
     col_ok,  # [BLOCK_N] cols < V
@@ -47,18 +176,26 @@ def logits_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``x[rows] @ W[cols].T`` as an fp32 ``[BLOCK_M, BLOCK_N]`` tile, masked at every edge."""
+    """``x[rows] @ W[cols].T`` as an fp32 ``[BLOCK_M, BLOCK_N]`` tile, masked at every edge.
+
+    Offsets are int64: ``rows * stride_xm`` passes 2^31 for a big input, ``cols *
+    stride_wn`` for a shard of more than 2^31 weight elements (V x H), ``k * stride`` for
+    transposed operands.
+    """
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < H
+        ks64 = ks.to(tl.int64)
         x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+            x_rows + ks64[None, :] * stride_xk,
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
         w = tl.load(
-            w_ptr + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
+            w_cols + ks64[:, None] * stride_wk,
             mask=col_ok[None, :] & k_ok[:, None],
             other=0.0,
         )

@@ -12,16 +12,27 @@ so the logits are produced once and never stored (unless high-performance mode a
 them, to turn them into the saved softmax). The vocabulary is cut into a fixed number of
 splits that run in parallel; each writes its partial statistics and the launcher merges
 them in a fixed order (deterministic, and bounded memory: ``[splits, BT]``, independent
-of V). Cross-rank reduction belongs to the caller.
+of V). Cross-rank reduction belongs to the caller. Row and column indices are int64
+(``vocab_parallel.kernels.common``): the stored logits pass 2^31 elements at scale.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from vocab_parallel.kernels.common import dot_in_fp32, interpreting, logits_tile, tile_config
+from vocab_parallel.kernels.common import (
+    TileConfig,
+    device_capability,
+    dot_in_fp32,
+    interpreting,
+    logits_tile,
+    tile_config,
+    tile_configs,
+)
 
 
 @triton.jit
@@ -55,7 +66,8 @@ def _forward_stats_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # int64 rows and columns: offsets such as rows * stride_lm pass 2^31 at scale.
+    pid_m = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < BT
@@ -77,7 +89,7 @@ def _forward_stats_kernel(
         )  # fmt: skip
         if STORE_LOGITS:
             tl.store(
-                logits_ptr + rows[:, None] * stride_lm + cols[None, :] * stride_ln,
+                logits_ptr + rows[:, None] * stride_lm + cols.to(tl.int64)[None, :] * stride_ln,
                 acc,
                 mask=row_ok[:, None] & col_ok[None, :],
             )
@@ -99,12 +111,41 @@ def _forward_stats_kernel(
     tl.store(lsum_ptr + out, lsum, mask=row_ok)
 
 
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
     """Vocabulary splits so that the grid fills the device (few when interpreting)."""
     if interpreting() or device.type != "cuda":
         return min(n_tiles, 2)  # two splits still exercise the merge
-    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    programs = 4 * _multiprocessors(index)
     return max(1, min(n_tiles, triton.cdiv(programs, n_row_blocks)))
+
+
+def _meta(dtype: torch.dtype, store_logits: bool, logit_sum: bool, tile: TileConfig) -> dict:
+    """Constexprs and launch options of one launch (shared with :func:`launch_variants`)."""
+    return dict(
+        STORE_LOGITS=store_logits,
+        LOGIT_SUM=logit_sum,
+        DOT_FP32=dot_in_fp32(dtype),
+        **tile.meta(),
+    )
+
+
+def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
+    """Every ``(kernel, input dtype, constexprs and launch options)`` this launcher can
+    choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
+    variants = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for tile in tile_configs("forward_stats", dtype, capability):
+            for store in (False, True):
+                for logit_sum in (False, True):
+                    meta = _meta(dtype, store, logit_sum, tile)
+                    variants.append((_forward_stats_kernel, dtype, meta))
+    return variants
 
 
 def forward_stats(
@@ -131,9 +172,9 @@ def forward_stats(
             torch.zeros(bt, **f32),
             torch.zeros(bt, **f32),
         )
-    bm, bn, bk, warps = tile_config(x.dtype)
-    n_tiles = triton.cdiv(v, bn)
-    n_row_blocks = triton.cdiv(bt, bm)
+    tile = tile_config("forward_stats", x.dtype, device_capability(x.device), bt)
+    n_tiles = triton.cdiv(v, tile.BLOCK_N)
+    n_row_blocks = triton.cdiv(bt, tile.BLOCK_M)
     splits = _num_splits(n_row_blocks, n_tiles, x.device)
     tiles_per_split = triton.cdiv(n_tiles, splits)
     splits = triton.cdiv(n_tiles, tiles_per_split)
@@ -146,11 +187,7 @@ def forward_stats(
         bt, h, v, tiles_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         logits.stride(0) if store else 0, logits.stride(1) if store else 0,
-        STORE_LOGITS=store,
-        LOGIT_SUM=with_logit_sum,
-        DOT_FP32=dot_in_fp32(x.dtype),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps,
+        **_meta(x.dtype, store, with_logit_sum, tile),
     )  # fmt: skip
     p_max, p_sum, p_pred, p_lsum = part
     row_max = p_max.max(dim=0).values

@@ -1,21 +1,11 @@
-"""The vocabulary-parallel linear + cross entropy: forward statistics, loss, autograd.
+"""The vocabulary-parallel linear + cross entropy: the public loss and its module.
 
-Per rank, per token i (SPEC.md section 2), with this rank's rows ``[start, start + V)``:
-
-    local stats   m_i = max_j z_ij,  s_i = sum_j exp(z_ij - m_i),  p_i = z_i[t_i] (if here),
-                  a_i = sum_j z_ij                                     (z = x @ W_local.T)
-    M_i           = allreduce_MAX(m_i)
-    S_i, P_i, A_i = allreduce_SUM(s_i * exp(m_i - M_i), p_i, a_i)      (one collective)
-    lse_i         = log(S_i) + M_i
-    loss_i        = lse_i - (1 - eps) * P_i - eps * A_i / Vg           (0 for ignored tokens)
-
-which is ``F.cross_entropy(x @ W_full.T, t, label_smoothing=eps, reduction="none")``.
-The backward is ``fused_linear_cross_entropy_loss_grad`` followed by a SUM all-reduce of
-``grad_input`` in fp32; ``grad_weight`` stays local. Reductions are ordinary torch ops on
-the per-token losses, so any upstream gradient reaches the operator exactly.
-
-This layer knows nothing of tiling: the backends do (``vocab_parallel.torch_backend``
-and ``vocab_parallel.kernels``).
+``vocab_parallel_linear_cross_entropy`` validates its arguments (every message starts
+with the parameter's name), checks the shard layout against the other ranks and the
+target ids against the vocabulary (``vocab_parallel.layout``, ``vocab_parallel.checks``),
+then runs the autograd Function of ``vocab_parallel.autograd`` on the flattened tokens and
+reduces the per-token losses with ordinary torch ops, so any upstream gradient reaches
+the fused backward exactly.
 """
 
 from __future__ import annotations
@@ -24,91 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vocab_parallel import torch_backend
-from vocab_parallel.distributed import ShardLayout, all_reduce, shard_layout, world_size
-from vocab_parallel.mask import pack_target_mask
-from vocab_parallel.ops import (
-    check_label_smoothing,
-    fused_linear_cross_entropy_loss_grad,
-    resolve_backend,
-)
+from vocab_parallel.autograd import VocabParallelLinearCE
+from vocab_parallel.checks import check_member, check_targets
+from vocab_parallel.layout import resolve_layout
+from vocab_parallel.ops import check_backend_name, check_label_smoothing, resolve_backend
 
 MODES = ("memory_saving", "high_performance")
 REDUCTIONS = ("none", "sum", "mean")
-
-
-def _forward_stats(backend: str):
-    if backend == "triton":
-        from vocab_parallel.kernels.forward import forward_stats
-
-        return forward_stats
-    return torch_backend.forward_stats
-
-
-class _VocabParallelLinearCE(torch.autograd.Function):
-    """Per-token losses ``[BT]`` (fp32) of ``hidden [BT, H]`` against this rank's shard."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, target, group, layout, ignore_index, eps, mode, backend):
-        ignored = target == ignore_index
-        local = target - layout.start
-        here = (local >= 0) & (local < layout.size) & ~ignored
-        local_target = torch.where(here, local, -1)
-
-        bt, v = hidden.shape[0], weight.shape[0]
-        keep_softmax = mode == "high_performance"
-        softmax = None
-        if keep_softmax:  # receives the raw logits, normalised in place below
-            softmax = torch.empty((bt, v), dtype=torch.float32, device=hidden.device)
-        m, s, p, a = _forward_stats(backend)(
-            hidden, weight, local_target, softmax, with_logit_sum=eps > 0
-        )
-
-        logits_max = all_reduce(m.clone(), "MAX", group)
-        sums = torch.stack([s * torch.exp(m - logits_max), p, a])
-        all_reduce(sums, "SUM", group)
-        sum_exp, predicted, logit_sum = sums
-        lse = torch.log(sum_exp) + logits_max
-        loss = lse - (1.0 - eps) * predicted
-        if eps:
-            loss = loss - eps * logit_sum / layout.global_size
-        loss = loss.masked_fill(ignored, 0.0)
-
-        if keep_softmax:
-            softmax.sub_(logits_max[:, None]).exp_().div_(sum_exp[:, None])
-            stats = (softmax,)
-        else:
-            stats = (logits_max, sum_exp)
-        target_mask = pack_target_mask(~here)
-        ctx.save_for_backward(hidden, weight, target_mask, local_target, ignored, *stats)
-        ctx.group, ctx.eps, ctx.backend = group, eps, backend
-        ctx.global_size, ctx.keep_softmax = layout.global_size, keep_softmax
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        hidden, weight, target_mask, local_target, ignored, *stats = ctx.saved_tensors
-        if ctx.keep_softmax:
-            stat_kwargs = {"softmax": stats[0]}
-        else:
-            stat_kwargs = {"logits_max": stats[0], "sum_exp_logits": stats[1]}
-        grad = grad_loss.float().masked_fill(ignored, 0.0)
-        tp = world_size(ctx.group) > 1
-        grad_input, grad_weight = fused_linear_cross_entropy_loss_grad(
-            grad,
-            hidden,
-            weight,
-            target_mask,
-            local_target.clamp(min=0),
-            ctx.eps,
-            global_vocab_size=ctx.global_size,
-            backend=ctx.backend,
-            grad_input_dtype=torch.float32 if tp else None,
-            **stat_kwargs,
-        )
-        if tp:
-            grad_input = all_reduce(grad_input, "SUM", ctx.group).to(hidden.dtype)
-        return grad_input, grad_weight, None, None, None, None, None, None, None
 
 
 def check_options(
@@ -119,7 +31,11 @@ def check_options(
     backend,
     vocab_start_index,
     global_vocab_size=None,
+    check_inputs=True,
 ):
+    """Validate the loss's options (before any tensor is looked at); returns the smoothing."""
+    if not isinstance(check_inputs, bool):
+        raise TypeError(f"check_inputs: expected a bool, got {type(check_inputs).__name__}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
     if reduction not in REDUCTIONS:
@@ -138,7 +54,7 @@ def check_options(
         or global_vocab_size < 1
     ):
         raise ValueError(f"global_vocab_size: expected an int >= 1, got {global_vocab_size!r}")
-    resolve_backend(backend, torch.device("cpu"))  # validates the name
+    check_backend_name(backend)
     return check_label_smoothing(label_smoothing)
 
 
@@ -155,6 +71,7 @@ def vocab_parallel_linear_cross_entropy(
     label_smoothing: float = 0.0,
     mode: str = "memory_saving",
     backend: str = "auto",
+    check_inputs: bool = True,
 ) -> torch.Tensor:
     """Cross entropy of ``hidden @ weight.T`` where ``weight`` is this rank's vocabulary shard.
 
@@ -179,9 +96,17 @@ def vocab_parallel_linear_cross_entropy(
         mode: ``"memory_saving"`` (recompute logits in backward) or ``"high_performance"``
             (keep the fp32 softmax shard ``[tokens, V_local]``, no recompute).
         backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA).
+        check_inputs: check that every target id is ``ignore_index`` or in
+            ``[0, global vocabulary)``, and (on CPU) the layout and token counts of the
+            group at every call. ``False`` skips both for the last microseconds on GPUs
+            (the layout is still checked once per layout and token count).
 
     Returns:
         The fp32 loss (a scalar, or per token for ``reduction="none"``).
+
+    Raises:
+        TypeError, ValueError: naming the parameter, on every rank of the group alike for
+            what concerns the group (layout, token counts, target ids).
     """
     eps = check_options(
         ignore_index,
@@ -191,6 +116,7 @@ def vocab_parallel_linear_cross_entropy(
         backend,
         vocab_start_index,
         global_vocab_size,
+        check_inputs,
     )
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
@@ -218,14 +144,31 @@ def vocab_parallel_linear_cross_entropy(
         raise ValueError(
             f"weight: expected shape [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}"
         )
-    layout: ShardLayout = shard_layout(
-        weight.shape[0], process_group, vocab_start_index, hidden.device, global_vocab_size
-    )
+    for name, t in (("weight", weight), ("target", target)):
+        if t.device != hidden.device:
+            raise ValueError(
+                f"{name}: on device {t.device}, but hidden is on {hidden.device}; "
+                "all tensors must be on one device"
+            )
     which = resolve_backend(backend, hidden.device)
-    h2 = hidden.reshape(-1, hidden.shape[-1])
+    check_member(process_group)
     t1 = target.reshape(-1).to(torch.int64)
-    losses = _VocabParallelLinearCE.apply(
-        h2, weight, t1, process_group, layout, ignore_index, eps, mode, which
+    h2 = hidden.reshape(t1.shape[0], hidden.shape[-1])  # not (-1, H): H may be 0
+    layout = resolve_layout(
+        weight.shape[0],
+        process_group,
+        vocab_start_index,
+        global_vocab_size,
+        t1.shape[0],
+        hidden.device,
+        recheck=check_inputs and hidden.device.type == "cpu",
+    )
+    if check_inputs:
+        check_targets(t1, ignore_index, layout.global_size)
+    # Whether a backward can follow: else high-performance mode keeps no softmax.
+    track = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    losses = VocabParallelLinearCE.apply(
+        h2, weight, t1, process_group, layout, ignore_index, eps, mode, which, track
     )
     if reduction == "none":
         return losses.reshape(target.shape)
@@ -255,6 +198,7 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         label_smoothing: float = 0.0,
         mode: str = "memory_saving",
         backend: str = "auto",
+        check_inputs: bool = True,
     ) -> None:
         super().__init__()
         check_options(
@@ -265,6 +209,7 @@ class VocabParallelLinearCrossEntropy(nn.Module):
             backend,
             vocab_start_index,
             global_vocab_size,
+            check_inputs,
         )
         self.options = dict(
             process_group=process_group,
@@ -275,6 +220,7 @@ class VocabParallelLinearCrossEntropy(nn.Module):
             label_smoothing=label_smoothing,
             mode=mode,
             backend=backend,
+            check_inputs=check_inputs,
         )
 
     def forward(

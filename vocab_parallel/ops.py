@@ -15,15 +15,22 @@ of SPEC.md). Its math, in one place:
 
 Backends implement it tile by tile (``vocab_parallel.kernels.backward``) or chunk by
 chunk (``vocab_parallel.torch_backend``); ``vocab_parallel.reference`` has it in float64.
+This module validates the operator's input forms (packed or bool mask, int32 or int64
+targets, clamping) and converts them to the one interface both backends share (and the
+loss calls directly): int64 local targets, -1 where the row's target is not here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+from collections.abc import Callable
 
 import torch
 
 from vocab_parallel import torch_backend
+from vocab_parallel.mask import unpack_target_mask
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _BACKENDS = ("auto", "torch", "triton")
@@ -46,13 +53,53 @@ def _length(name: str, t: torch.Tensor, n: int) -> None:
         raise ValueError(f"{name}: expected length {n} (rows of input), got {t.shape[0]}")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"auto"`` means Triton on CUDA tensors and the torch backend elsewhere."""
+def check_backend_name(backend: object) -> None:
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` means Triton on CUDA tensors and the torch backend elsewhere.
+
+    ``"triton"`` needs CUDA tensors, or CPU tensors with Triton's interpreter switched on
+    (``TRITON_INTERPRET=1`` before triton is imported); anything else would fail inside
+    Triton with "0 active drivers", so it is refused here, naming ``backend``.
+    """
+    check_backend_name(backend)
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError(
+                "backend: 'triton' needs the triton package (pip install triton); "
+                "use backend='torch'"
+            )
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        if device.type != "cuda" and not interpreted:
+            raise ValueError(
+                f"backend: 'triton' runs on CUDA tensors (these are on {device}), or under "
+                "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported, for "
+                "tests); use backend='torch' or 'auto'"
+            )
     return backend
+
+
+def backend_forward_stats(which: str) -> Callable:
+    """``forward_stats`` of the resolved backend ``which`` ("torch" or "triton")."""
+    if which == "triton":
+        from vocab_parallel.kernels import forward
+
+        return forward.forward_stats
+    return torch_backend.forward_stats
+
+
+def backend_backward(which: str) -> Callable:
+    """``fused_backward`` of the resolved backend ``which`` ("torch" or "triton")."""
+    if which == "triton":
+        from vocab_parallel.kernels import backward
+
+        return backward.fused_backward
+    return torch_backend.fused_backward
 
 
 def check_label_smoothing(label_smoothing: object) -> float:
@@ -120,6 +167,8 @@ def fused_linear_cross_entropy_loss_grad(
     v = weight.shape[0]
     if weight.shape[1] != h:
         raise ValueError(f"weight: expected shape [V, {h}] (H of input), got {tuple(weight.shape)}")
+    if v == 0:
+        raise ValueError("weight: has 0 rows; the operator needs V >= 1 rows of this shard")
     _tensor("grad", grad, (torch.float32,), (0, 1))
     grad = grad.reshape(-1)
     if grad.shape[0] not in (bt, 1):
@@ -133,6 +182,13 @@ def fused_linear_cross_entropy_loss_grad(
         )
     if not packed:
         _length("target_mask", target_mask, bt)
+    elif bt > 8 and target_mask.shape[0] == bt and bool((target_mask <= 1).all()):
+        # One 0/1 byte per row read as bits would silently give the wrong rows.
+        raise ValueError(
+            f"target_mask: a uint8 mask of {bt} bytes holding only 0 and 1 looks like one "
+            f"byte per row, but uint8 masks are bit-packed ({math.ceil(bt / 8)} bytes for "
+            f"{bt} rows); pass target_mask.bool(), or pack_target_mask(target_mask.bool())"
+        )
     _tensor("masked_target", masked_target, (torch.int32, torch.int64), (1,))
     _length("masked_target", masked_target, bt)
     eps = check_label_smoothing(label_smoothing)
@@ -174,26 +230,25 @@ def fused_linear_cross_entropy_loss_grad(
     if grad_input_dtype not in _FLOATS:
         raise TypeError(f"grad_input_dtype: expected one of {_FLOATS}, got {grad_input_dtype}")
     which = resolve_backend(backend, input.device)
-    on_target = 1.0 - eps
-    smooth_all = eps / global_vocab_size
 
-    if which == "triton":
-        from vocab_parallel.kernels import backward as triton_backward
-
-        # The kernel indexes these 1-D tensors with unit stride.
-        mask = (target_mask if packed else target_mask.view(torch.uint8)).contiguous()
-        if softmax is None:
-            logits_max, sum_exp_logits = logits_max.contiguous(), sum_exp_logits.contiguous()
-        return triton_backward.fused_backward(
-            grad, input, weight, mask, packed, masked_target,
-            logits_max, sum_exp_logits, softmax, on_target, smooth_all, grad_input_dtype,
-        )  # fmt: skip
-
-    from vocab_parallel.mask import unpack_target_mask
-
-    not_here = unpack_target_mask(target_mask, bt) if packed else target_mask
-    target = masked_target.to(torch.int64).clamp(0, max(v - 1, 0))
-    return torch_backend.fused_backward(
-        grad, input, weight, not_here, target,
-        logits_max, sum_exp_logits, softmax, on_target, smooth_all, grad_input_dtype,
-    )  # fmt: skip
+    # This operator computes gradients; it is not itself differentiated. Tensors that
+    # require grad (e.g. a head's own nn.Parameter) are read as plain values.
+    with torch.no_grad():
+        # The one backend interface: int64 local targets, -1 where no one-hot is here.
+        not_here = unpack_target_mask(target_mask, bt) if packed else target_mask
+        target = masked_target.to(torch.int64).clamp(0, max(v - 1, 0))
+        local_target = target.masked_fill(not_here, -1)
+        if softmax is not None:  # the statistics are ignored in high-performance mode
+            logits_max = sum_exp_logits = None
+        return backend_backward(which)(
+            grad,
+            input,
+            weight,
+            local_target,
+            logits_max,
+            sum_exp_logits,
+            softmax,
+            1.0 - eps,
+            eps / global_vocab_size,
+            grad_input_dtype=grad_input_dtype,
+        )

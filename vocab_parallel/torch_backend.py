@@ -3,94 +3,161 @@
 It walks the vocabulary in chunks exactly like the Triton launcher, so its extra memory
 is one ``[BT, CV]`` chunk and a ``[BT, H]`` fp32 accumulator, never ``[BT, V]``.
 
-Products are computed in a "compute dtype": fp32 on CPUs (most CPUs have no native
-bf16/fp16 matrix units; half-precision GEMMs there are hundreds of times slower), the
-input dtype on GPUs (tensor cores accumulate in fp32 anyway). ``G`` is always rounded to
-the input dtype first, as the operator's contract says, so the results match the Triton
-path whichever compute dtype is used.
+The chunk loop of the backward, :func:`gradient_products`, is shared with the Triton
+launcher (``vocab_parallel.kernels.backward``): the backends differ only in how a chunk
+of ``G`` is produced. Every product follows ``vocab_parallel.precision``: fp32
+accumulation and fp32 results on every device, ``G`` rounded to the input dtype once.
+
+The backend interface (both backends, inputs already validated):
+
+    forward_stats(x, weight, local_target, logits_out=None, with_logit_sum=True)
+    fused_backward(grad, x, weight, local_target, logits_max, sum_exp_logits, softmax,
+                   on_target, smooth_all, *, need_input_grad, need_weight_grad,
+                   grad_input_dtype)
+
+``local_target`` is int64 ``[BT]``: the target's column in this shard, -1 where the row's
+target is not on this shard (or is ignored).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from vocab_parallel import precision
 
 # Target bytes of one fp32 [BT, CV] chunk of logits.
 CHUNK_BYTES = 64 * 1024 * 1024
 
-
-def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype chunk products run in: fp32 on CPUs, ``dtype`` elsewhere."""
-    return torch.float32 if device.type == "cpu" else dtype
+# make_g(v0, v1, x_op, w_op) -> G[:, v0:v1], fp32 or x.dtype (rounded by the loop).
+MakeG = Callable[[int, int, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
 
 
-def chunk_columns(bt: int, v: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Columns per vocabulary chunk so that an fp32 ``[bt, cols]`` fits ``chunk_bytes``."""
-    cols = chunk_bytes // max(1, bt * 4)
+def chunk_columns(bt: int, v: int, chunk_bytes: int = CHUNK_BYTES, h: int = 0) -> int:
+    """Columns per vocabulary chunk so that an fp32 ``[bt, cols]`` chunk of logits, and the
+    fp32 ``[cols, h]`` product of ``grad_weight``'s rows, each fit ``chunk_bytes``."""
+    cols = chunk_bytes // max(1, bt * 4, h * 4)
     cols = max(256, cols // 64 * 64)
     return max(1, min(v, cols))
+
+
+def gradient_products(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cv: int,
+    make_g: MakeG,
+    *,
+    g_reads_operands: bool,
+    need_input_grad: bool = True,
+    need_weight_grad: bool = True,
+    grad_input_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``grad_input = G @ weight`` and ``grad_weight = G.T @ x`` over vocabulary chunks.
+
+    For each chunk of ``cv`` columns (in order), ``make_g(v0, v1, x_op, w_op)`` gives
+    ``G[:, v0:v1]`` (``x_op``, ``w_op``: ``x`` and ``weight[v0:v1]`` in the GEMM operand
+    dtype, for a ``make_g`` that ``g_reads_operands``; else None unless a product needs
+    them). Its
+    values are rounded to ``x.dtype`` here, then ``grad_input`` accumulates ``G_c @ W_c``
+    in fp32 and ``grad_weight[v0:v1] = G_c.T @ x`` (fp32, rounded once). A fixed chunk
+    order and plain GEMMs: bitwise deterministic. A gradient that is not needed costs no
+    GEMM and no memory and comes back as None.
+    """
+    bt, h = x.shape
+    v = weight.shape[0]
+    dtype, device = x.dtype, x.device
+    if not (need_input_grad or need_weight_grad):
+        return None, None
+    gi_dtype = grad_input_dtype or dtype
+    if bt == 0 or h == 0 or v == 0:
+        gi = torch.zeros((bt, h), dtype=gi_dtype, device=device) if need_input_grad else None
+        gw = torch.zeros((v, h), dtype=dtype, device=device) if need_weight_grad else None
+        return gi, gw
+
+    operand = precision.operand_dtype(dtype, device.type)
+    x_op = x.to(operand) if (need_weight_grad or g_reads_operands) else None
+    grad_weight = torch.empty((v, h), dtype=dtype, device=device) if need_weight_grad else None
+    acc = torch.empty((bt, h), dtype=torch.float32, device=device) if need_input_grad else None
+    # fp32 products that are not written in place: one buffer, used by both products.
+    sizes = [bt * h] if need_input_grad and operand != torch.float32 else []
+    sizes += [cv * h] if need_weight_grad and dtype != torch.float32 else []
+    scratch = torch.empty(max(sizes), dtype=torch.float32, device=device) if sizes else None
+    for v0 in range(0, v, cv):
+        v1 = min(v, v0 + cv)
+        w_op = weight[v0:v1].to(operand) if (need_input_grad or g_reads_operands) else None
+        g = precision.round_to(make_g(v0, v1, x_op, w_op), dtype, operand)
+        if need_input_grad:
+            if v0 == 0:
+                precision.mm_fp32(g, w_op, out=acc)
+            else:
+                tmp = None if operand == torch.float32 else scratch[: bt * h].view(bt, h)
+                precision.addmm_fp32_(acc, g, w_op, scratch=tmp)
+        if need_weight_grad:
+            rows = grad_weight[v0:v1]
+            if dtype == torch.float32:
+                precision.mm_fp32(g.t(), x_op, out=rows)
+            else:
+                tmp = scratch[: (v1 - v0) * h].view(v1 - v0, h)
+                rows.copy_(precision.mm_fp32(g.t(), x_op, out=tmp))
+        del g  # free this chunk before the next one is allocated
+    grad_input = acc.to(gi_dtype) if need_input_grad else None
+    return grad_input, grad_weight
 
 
 def fused_backward(
     grad: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
-    not_here: torch.Tensor,
-    target: torch.Tensor,
+    local_target: torch.Tensor,
     logits_max: torch.Tensor | None,
     sum_exp_logits: torch.Tensor | None,
     softmax: torch.Tensor | None,
     on_target: float,
     smooth_all: float,
+    *,
+    need_input_grad: bool = True,
+    need_weight_grad: bool = True,
     grad_input_dtype: torch.dtype | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backward over vocabulary chunks; inputs already validated.
 
-    ``not_here`` is a bool ``[BT]`` (True: no one-hot on this shard), ``target`` an int64
-    ``[BT]`` already clamped into ``[0, V-1]``, ``grad`` ``[BT]`` or ``[1]`` fp32.
+    ``local_target`` is int64 ``[BT]`` in ``[0, V)``, -1 where no one-hot is subtracted on
+    this shard; ``grad`` is ``[BT]`` or ``[1]`` fp32. Returns ``(grad_input, grad_weight)``,
+    None for a gradient that is not needed.
     """
     bt, h = x.shape
     v = weight.shape[0]
-    dtype = x.dtype
-    grad_weight = torch.empty((v, h), dtype=dtype, device=x.device)
-    if bt == 0 or h == 0 or v == 0:
-        grad_weight.zero_()
-        return torch.zeros((bt, h), dtype=grad_input_dtype or dtype, device=x.device), grad_weight
-
-    cdt = compute_dtype(dtype, x.device)
-    xc = x.to(cdt)
     scale = grad.to(torch.float32).reshape(-1, 1)  # [BT, 1] or [1, 1]
     # Amount subtracted at the target column: (1 - eps) where the target is on this shard.
-    onehot_val = (~not_here).to(torch.float32) * on_target
+    onehot_val = (local_target >= 0).to(torch.float32) * on_target
     rows = torch.arange(bt, device=x.device)
-    acc_input = torch.zeros((bt, h), dtype=torch.float32, device=x.device)
-    cv = chunk_columns(bt, v, chunk_bytes)
-    for v0 in range(0, v, cv):
-        v1 = min(v, v0 + cv)
-        wc = weight[v0:v1].to(cdt)
+
+    def make_g(v0: int, v1: int, x_op: torch.Tensor, w_op: torch.Tensor | None):
         if softmax is not None:
             g = softmax[:, v0:v1].to(torch.float32, copy=True)
         else:
-            g = torch.mm(xc, wc.t()).float()
+            g = precision.mm_fp32(x_op, w_op.t())
             g.sub_(logits_max[:, None]).exp_().div_(sum_exp_logits[:, None])
         if smooth_all != 0.0:
             g.sub_(smooth_all)
-        # One-hot: subtract where the (clamped) target falls into this chunk.
-        in_chunk = (target >= v0) & (target < v1)
-        cols = (target - v0).clamp(0, v1 - v0 - 1)
+        # One-hot: subtract where the target falls into this chunk.
+        in_chunk = (local_target >= v0) & (local_target < v1)
+        cols = (local_target - v0).clamp(0, v1 - v0 - 1)
         g[rows, cols] -= torch.where(in_chunk, onehot_val, 0.0)
-        g.mul_(scale)
-        if dtype != torch.float32:  # round to the input dtype, as the contract says
-            rounded = g.to(dtype)
-            g = g.copy_(rounded) if cdt == torch.float32 else rounded  # fp32: reuse g's buffer
-            del rounded
-        acc_input.addmm_(g, wc) if cdt == torch.float32 else acc_input.add_(g @ wc)
-        if cdt == dtype:  # straight into the output rows, no [CV, H] temporary
-            torch.mm(g.t(), xc, out=grad_weight[v0:v1])
-        else:
-            grad_weight[v0:v1] = torch.mm(g.t(), xc)
-        del g  # free this chunk before the next one is allocated
-    return acc_input.to(grad_input_dtype or dtype), grad_weight
+        return g.mul_(scale)
+
+    return gradient_products(
+        x,
+        weight,
+        chunk_columns(bt, v, chunk_bytes, h),
+        make_g,
+        g_reads_operands=softmax is None,
+        need_input_grad=need_input_grad,
+        need_weight_grad=need_weight_grad,
+        grad_input_dtype=grad_input_dtype,
+    )
 
 
 def forward_stats(
@@ -118,19 +185,15 @@ def forward_stats(
     lsum = torch.zeros(bt, **f32)
     if bt == 0 or v == 0:
         return row_max, row_sum, pred, lsum
-    cdt = compute_dtype(x.dtype, x.device)
-    xc = x.to(cdt)
+    operand = precision.operand_dtype(x.dtype, x.device.type)
+    x_op = x.to(operand)
     here = local_target >= 0
     cv = chunk_columns(bt, v, chunk_bytes)
     for v0 in range(0, v, cv):
         v1 = min(v, v0 + cv)
-        wc = weight[v0:v1].to(cdt)
-        if logits_out is not None and cdt == torch.float32:
-            logits = torch.mm(xc, wc.t(), out=logits_out[:, v0:v1])
-        else:
-            logits = torch.mm(xc, wc.t()).float()
-            if logits_out is not None:
-                logits_out[:, v0:v1] = logits
+        w_op = weight[v0:v1].to(operand)
+        out = None if logits_out is None else logits_out[:, v0:v1]
+        logits = precision.mm_fp32(x_op, w_op.t(), out=out)
         in_chunk = here & (local_target >= v0) & (local_target < v1)
         cols = (local_target - v0).clamp(0, v1 - v0 - 1)
         pred += torch.where(in_chunk, logits.gather(1, cols[:, None]).squeeze(1), 0.0)
@@ -139,11 +202,7 @@ def forward_stats(
         new_max = torch.maximum(row_max, logits.max(dim=1).values)
         row_sum.mul_(torch.exp(row_max - new_max))
         # exp in place unless the raw logits must be kept (high-performance mode).
-        shifted = (
-            logits.sub(new_max[:, None])
-            if logits_out is not None
-            else logits.sub_(new_max[:, None])
-        )
+        shifted = logits.sub(new_max[:, None]) if out is not None else logits.sub_(new_max[:, None])
         row_sum.add_(shifted.exp_().sum(dim=1))
         row_max = new_max
         del logits, shifted  # free this chunk before the next one is allocated

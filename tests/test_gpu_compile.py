@@ -1,0 +1,103 @@
+"""Every Triton kernel variant compiles for real GPUs, ahead of time, without a GPU.
+
+``scripts/aot_compile.py`` compiles each variant the launchers can choose (kernel x
+fp16/bf16/fp32 x mode constexprs x the tiles of each target), specialised for aligned
+and for odd sizes, for sm_80, sm_90 and, when the bundled toolchain supports it, sm_100,
+and checks shared memory against the target's per-block limit and ``ptxas -v`` for
+register spills and 255 registers. It runs in a
+subprocess: the interpreter (switched on by conftest.py without CUDA) must be off there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia")  # the NVIDIA backend with its bundled ptxas
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code_or_args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, *code_or_args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_every_kernel_variant_compiles_for_sm80_sm90_sm100(tmp_path):
+    report = tmp_path / "aot.json"
+    out = _run(["scripts/aot_compile.py", "--json", str(report), "--jobs", "2"], timeout=900)
+    print(out.stdout)
+    assert out.returncode == 0, f"{out.stdout[-6000:]}\n{out.stderr[-4000:]}"
+    result = json.loads(report.read_text())
+    rows, skipped = result["rows"], result["skipped"]
+    assert all(arch >= 100 for arch in skipped), skipped  # sm_80 and sm_90 always compile
+    by_arch: dict[int, list[dict]] = {}
+    for row in rows:
+        by_arch.setdefault(row["arch"], []).append(row)
+    assert {80, 90} <= set(by_arch)
+
+    # Every variant the launchers list was compiled, and each passed its checks.
+    check = textwrap.dedent(
+        """
+        import json, sys
+        from vocab_parallel.kernels import backward, forward
+        arch = int(sys.argv[1])
+        cap = divmod(arch, 10)
+        print(len(forward.launch_variants(cap)) + len(backward.launch_variants(cap)))
+        """
+    )
+    for arch, arch_rows in by_arch.items():
+        listed = _run(["-c", check, str(arch)], timeout=120)
+        assert listed.returncode == 0, listed.stderr
+        assert len(arch_rows) == 2 * int(listed.stdout.split()[-1])  # aligned and odd sizes
+        for row in arch_rows:
+            assert not row["problems"], row
+            assert row["shared"] <= row["limit"], row
+            assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+            assert row["registers"] < 255, row
+    # Both kernels, all three dtypes and every mode flag appear on each target.
+    for arch_rows in by_arch.values():
+        text = " ".join(r["variant"] for r in arch_rows)
+        for word in ("forward_stats", "logits_grad", "fp16", "bf16", "fp32"):
+            assert word in text, word
+        for flag in ("STORE_LOGITS", "LOGIT_SUM", "HAS_SOFTMAX", "DOT_FP32"):
+            assert flag in text, flag
+
+
+def test_tile_tables_fit_every_target_and_query_no_device_at_import():
+    code = textwrap.dedent(
+        """
+        import torch
+
+        def boom(*args, **kwargs):
+            raise AssertionError("a device was queried at import time")
+
+        torch.cuda.get_device_capability = boom
+        torch.cuda.get_device_properties = boom
+        from vocab_parallel.kernels import backward, common, forward  # noqa: F401
+
+        kernels = common.MATMUL_KERNELS + common.STREAM_KERNELS
+        for capability in common.SMEM_LIMIT:
+            for kernel in kernels:
+                for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                    for tile in common.tile_configs(kernel, dtype, capability):
+                        need = tile.smem_bound(torch.empty((), dtype=dtype).element_size())
+                        assert need <= common.smem_limit(capability), (capability, tile)
+        print("ok")
+        """
+    )
+    out = _run(["-c", code], timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr

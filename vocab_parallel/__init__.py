@@ -9,7 +9,7 @@ Public API:
     shard_bounds                          the default contiguous (uneven) shard layout
 """
 
-from vocab_parallel.distributed import shard_bounds
+from vocab_parallel.layout import shard_bounds
 from vocab_parallel.lm_head import VocabParallelLMHead
 from vocab_parallel.loss import (
     VocabParallelLinearCrossEntropy,

@@ -1,87 +1,47 @@
-"""The few collectives the loss needs, and the vocabulary shard layout.
+"""The few collectives the loss needs.
 
 ``process_group=None`` (or a group of one rank) means no tensor parallelism: every helper
 here then returns without touching torch.distributed, so the loss also works in a
 process that never initialised it. All payloads are fp32 (gloo has no bf16 collectives).
+
+A collective that fails (most often: a peer rank died or stopped and the group's timeout
+ran out) raises a ``RuntimeError`` that says which collective of the loss it was and over
+which ranks, instead of the backend's bare "Timed out waiting for recv".
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 
-def world_size(group: dist.ProcessGroup | None) -> int:
-    """Ranks in ``group``; 1 for ``None``."""
-    return 1 if group is None else dist.get_world_size(group)
+def world_size(process_group: dist.ProcessGroup | None) -> int:
+    """Ranks in ``process_group``; 1 for ``None``."""
+    return 1 if process_group is None else dist.get_world_size(process_group)
 
 
-def all_reduce(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """In-place ``SUM`` or ``MAX`` all-reduce of ``tensor`` over ``group`` (no-op alone)."""
-    if world_size(group) > 1:
-        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
+def group_ranks(process_group: dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of ``process_group`` (``[0]`` without one)."""
+    if process_group is None or not dist.is_initialized():
+        return [0]
+    return dist.get_process_group_ranks(process_group)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str,
+    process_group: dist.ProcessGroup | None,
+    what: str = "tensor",
+) -> torch.Tensor:
+    """In-place ``SUM`` or ``MAX`` all-reduce of ``tensor`` over ``process_group`` (no-op
+    alone); ``what`` names the payload in the error a failed collective raises."""
+    if world_size(process_group) > 1:
+        try:
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=process_group)
+        except RuntimeError as exc:  # DistBackendError and timeouts derive from it
+            raise RuntimeError(
+                f"vocab_parallel: {op} all-reduce of {what} over ranks "
+                f"{group_ranks(process_group)} of process_group failed (a rank died, stopped "
+                f"or left the group, or the group's timeout ran out): {exc}"
+            ) from exc
     return tensor
-
-
-def shard_bounds(vocab: int, world: int) -> list[tuple[int, int]]:
-    """Uneven contiguous shards in rank order: the first ``vocab % world`` get one more row."""
-    base, extra = divmod(vocab, world)
-    bounds, start = [], 0
-    for r in range(world):
-        size = base + (1 if r < extra else 0)
-        bounds.append((start, start + size))
-        start += size
-    return bounds
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Where this rank's rows sit in the global vocabulary."""
-
-    start: int  # first global token id of this shard
-    size: int  # rows of this shard
-    global_size: int  # rows over all shards of the group
-
-
-def shard_layout(
-    v_local: int,
-    group: dist.ProcessGroup | None,
-    vocab_start_index: int | None,
-    device: torch.device,
-    global_vocab_size: int | None = None,
-) -> ShardLayout:
-    """Layout of this rank's shard: contiguous rank-ordered shards unless overridden.
-
-    Shards may be uneven. Given both ``vocab_start_index`` and ``global_vocab_size`` (an
-    LM head knows them), the layout is known without communication. Otherwise, with more
-    than one rank, one small collective (each rank puts its size into its slot, then a
-    SUM; it synchronises with the device) gives all shard sizes: the global vocabulary
-    size and the default start (the sum of the sizes of the lower ranks).
-    """
-    n = world_size(group)
-    if global_vocab_size is not None and (vocab_start_index is not None or n == 1):
-        start = 0 if vocab_start_index is None else vocab_start_index
-        if start + v_local > global_vocab_size:
-            raise ValueError(
-                f"global_vocab_size: {global_vocab_size} is smaller than vocab_start_index "
-                f"{start} + {v_local} local rows"
-            )
-        return ShardLayout(start, v_local, global_vocab_size)
-    if n == 1:
-        start = 0 if vocab_start_index is None else vocab_start_index
-        return ShardLayout(start, v_local, v_local)
-    sizes = torch.zeros(n, dtype=torch.int64, device=device)
-    sizes[dist.get_rank(group)] = v_local
-    all_reduce(sizes, "SUM", group)
-    sizes = sizes.tolist()
-    global_size = sum(sizes)
-    if vocab_start_index is None:
-        vocab_start_index = sum(sizes[: dist.get_rank(group)])
-    if vocab_start_index + v_local > global_size:
-        raise ValueError(
-            f"vocab_start_index: {vocab_start_index} + {v_local} local rows exceeds the "
-            f"global vocabulary of {global_size} rows (sum of the shards of the group)"
-        )
-    return ShardLayout(vocab_start_index, v_local, global_size)

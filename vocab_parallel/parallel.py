@@ -12,8 +12,10 @@ replicated over it, and gradients are averaged over the DP group.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -27,20 +29,44 @@ class ParallelGroups:
     dp_size: int
     tp_rank: int
     dp_rank: int
+    timeout: datetime.timedelta | None = None  # of every group created for these groups
 
 
-def init_parallel_groups(tp_size: int) -> ParallelGroups:
+def world_timeout() -> datetime.timedelta | None:
+    """The collective timeout of the default process group (None where it cannot be read)."""
+    try:
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        try:
+            return dist.group.WORLD._get_backend(torch.device("cuda")).options._timeout
+        except (AttributeError, RuntimeError):
+            return None
+
+
+def init_parallel_groups(
+    tp_size: int, *, timeout: datetime.timedelta | float | None = None
+) -> ParallelGroups:
     """Create the TP and DP groups of the initialised default group (collective: all ranks).
 
-    Without torch.distributed initialised, returns the single-process layout.
+    ``timeout`` (a timedelta or seconds) bounds every collective of the new groups;
+    default: the default group's timeout (``init_process_group(timeout=...)``), not
+    torch's 30 minutes for new groups, so that a stopped rank makes the others fail
+    within the time the launcher chose. Without torch.distributed initialised, returns the
+    single-process layout.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size: expected an int >= 1, got {tp_size!r}")
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout: expected a timedelta or seconds > 0, got {timeout!r}")
+        timeout = datetime.timedelta(seconds=timeout)
     if not (dist.is_available() and dist.is_initialized()):
         if tp_size != 1:
             raise ValueError(f"tp_size: {tp_size} needs torch.distributed to be initialised")
         return ParallelGroups(None, None, 1, 1, 0, 0)
     world, rank = dist.get_world_size(), dist.get_rank()
+    if timeout is None:
+        timeout = world_timeout()
     if world % tp_size:
         raise ValueError(f"tp_size: {tp_size} does not divide the world size {world}")
     dp_size = world // tp_size
@@ -48,12 +74,12 @@ def init_parallel_groups(tp_size: int) -> ParallelGroups:
     # Every rank must create every group, in the same order.
     for block in range(dp_size):
         ranks = list(range(block * tp_size, (block + 1) * tp_size))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             tp_group = group
     for offset in range(tp_size):
         ranks = list(range(offset, world, tp_size))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             dp_group = group
     return ParallelGroups(
@@ -63,6 +89,7 @@ def init_parallel_groups(tp_size: int) -> ParallelGroups:
         dp_size=dp_size,
         tp_rank=rank % tp_size,
         dp_rank=rank // tp_size,
+        timeout=timeout,
     )
 
 
@@ -114,7 +141,7 @@ def _own_group(groups: ParallelGroups, kind: str):
     # Groups of one rank each: every rank must take part in creating all of them.
     mine = None
     for r in range(world):
-        g = dist.new_group([r])
+        g = dist.new_group([r], timeout=groups.timeout)
         if r == dist.get_rank():
             mine = g
     return mine

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from vocab_parallel.distributed import shard_bounds
+from vocab_parallel.layout import shard_bounds
 from vocab_parallel.loss import vocab_parallel_linear_cross_entropy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

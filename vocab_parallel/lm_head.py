@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vocab_parallel.distributed import shard_bounds, world_size
+from vocab_parallel.distributed import world_size
+from vocab_parallel.layout import shard_bounds
 from vocab_parallel.loss import check_options, vocab_parallel_linear_cross_entropy
 
 

@@ -5,7 +5,9 @@ against the target, ``IGNORE`` tokens left out, where ``weight`` is this rank's 
 
     ours_ms          vocab_parallel_linear_cross_entropy(mode="memory_saving")
     ours_hp          vocab_parallel_linear_cross_entropy(mode="high_performance")
-                     (backend "torch" on CPU, "triton" on CUDA)
+                     (backend "torch" on CPU, "triton" on CUDA; the shard layout stated,
+                     as VocabParallelLMHead does)
+    ours_ms_nocheck  ours_ms with check_inputs=False: the price of the input checks
     naive            F.cross_entropy(F.linear(x, W), y), full [BT, V] logits (1 rank)
     torch_lce_auto   F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())
     torch_lce_512    the same with batch_chunk_size=512, chunking_method=None (1 rank)
@@ -26,12 +28,13 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100
-OURS = ("ours_ms", "ours_hp")
+OURS = ("ours_ms", "ours_hp", "ours_ms_nocheck")
 # name: (description, world sizes it runs at, modules it needs)
 IMPLS = {
     "naive": ("F.cross_entropy(F.linear)", (1,), ()),
     "ours_ms": ("ours memory_saving", (1, 2), ()),
     "ours_hp": ("ours high_performance", (1, 2), ()),
+    "ours_ms_nocheck": ("ours memory_saving check_inputs=False", (1, 2), ()),
     "torch_lce_auto": ("F.linear_cross_entropy chunking=auto", (1,), ()),
     "torch_lce_512": ("F.linear_cross_entropy batch_chunk=512", (1,), ()),
     "deepspeed": ("DeepSpeed vp_linear_ce", (1, 2), ("deepspeed",)),
@@ -41,7 +44,7 @@ IMPLS = {
     "cce": ("Cut Cross-Entropy", (1,), ("cut_cross_entropy",)),
 }
 CUDA_ONLY = ("liger", "cce")
-DEFAULT_IMPLS = [k for k in IMPLS if k != "deepspeed_dflt"]
+DEFAULT_IMPLS = [k for k in IMPLS if k not in ("deepspeed_dflt", "ours_ms_nocheck")]
 
 
 def _installed(module: str) -> bool:
@@ -108,12 +111,17 @@ def make_loss(impl: str, case: dict, y, bounds, group, device):
     if impl in OURS:
         from vocab_parallel import vocab_parallel_linear_cross_entropy
 
-        mode = "memory_saving" if impl == "ours_ms" else "high_performance"
-        backend = "triton" if device.type == "cuda" else "torch"
-        pg = group if world > 1 else None
-        return lambda x, w: vocab_parallel_linear_cross_entropy(
-            x, w, y, process_group=pg, ignore_index=IGNORE, mode=mode, backend=backend
+        mode = "high_performance" if impl == "ours_hp" else "memory_saving"
+        options = dict(
+            process_group=group if world > 1 else None,
+            vocab_start_index=bounds[0],
+            global_vocab_size=case["v"],
+            ignore_index=IGNORE,
+            mode=mode,
+            backend="triton" if device.type == "cuda" else "torch",
+            check_inputs=impl != "ours_ms_nocheck",
         )
+        return lambda x, w: vocab_parallel_linear_cross_entropy(x, w, y, **options)
     if impl.startswith("torch_lce"):
         from torch.nn import LinearCrossEntropyOptions
 

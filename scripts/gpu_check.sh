@@ -64,7 +64,7 @@ step large_offsets 60 '(OK|FAILED):' -- "$PY" scripts/gpu_large_offsets.py
 step bench_backward 60 '.' -- "$PY" benchmarks/bench_backward.py "${BENCH_SHAPE[@]}" \
     --vocab 128256 --modes memory_saving high_performance --backends triton torch --repeats 5
 step bench_loss 60 '.' -- "$PY" benchmarks/bench_loss.py "${BENCH_SHAPE[@]}" \
-    --vocab 128256 --worlds 1 --impls naive ours_ms ours_hp --repeats 5
+    --vocab 128256 --worlds 1 --impls naive ours_ms ours_hp torch_lce_auto liger cce --repeats 5
 
 echo
 echo "| step | result | seconds | summary |"

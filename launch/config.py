@@ -6,6 +6,13 @@ YAML, and ``--help`` lists them all. Keeping the table in one place is what make
 key and its flag impossible to drift apart. The options travel as a plain ``dict``
 through the run (and into ``summary.json`` and each checkpoint's ``meta.json``).
 
+Every value is checked when the options are parsed, wherever it comes from: its type
+(:func:`coerce`: a YAML ``"no"`` for a boolean is false, a list for ``steps`` an error),
+its range (:data:`RANGES`, :data:`CHOICES`) and the combinations that cannot work
+(:func:`check_options`); anything wrong is argparse's usage error naming the option (exit
+status 2), not a failure, or a silently wrong run, later. The YAML file itself is read
+by :func:`load_yaml_config`, which ``verify.py`` shares.
+
 The two functions of the options that more than one module needs live here too: the
 learning-rate schedule (:func:`lr_at`, a function of the step alone, so that a resumed
 run needs no scheduler state) and the DeepSpeed config (:func:`deepspeed_config`, used
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -59,21 +67,113 @@ OPTIONS: dict[str, tuple] = {
     "save_every": (0, int, "checkpoint every N steps, and at the end (0: never)"),
     "keep_checkpoints": (2, int, "checkpoints kept (older ones are deleted; 0: keep all)"),
     "resume": (False, bool, "continue from the latest checkpoint in run_dir"),
+    "overwrite": (False, bool, "start anew in a run_dir that holds checkpoints: delete them"),
     "stop_at": (0, int, "exit after this step without saving, as a crash would (tests)"),
     "log_every": (10, int, "log (and side-by-side table) every N steps"),
     "check_against_unsharded": (False, bool, "also train an unsharded-head copy and compare"),
     "zero_stage": (0, int, "deepspeed engine: ZeRO stage 0, 1 or 2"),
     "deepspeed": ({}, dict, "deepspeed engine: extra DeepSpeed config (YAML only)"),
-    "timeout_s": (600, int, "collective timeout: a failed rank never hangs the others"),
+    "timeout_s": (600, int, "collective timeout, seconds: a failed rank never hangs the others"),
     "dry_run": (False, bool, "print the plan (groups, parameters, memory) and exit"),
 }
+
+
+def load_yaml_config(path: str | os.PathLike, parser: argparse.ArgumentParser) -> dict:
+    """The mapping a YAML config file holds (``{}`` for an empty file).
+
+    Shared by the launcher's jobs (``train.py``, ``verify.py``): a file that is missing,
+    unreadable, not YAML, or not a mapping of option names is a usage error that names
+    the file (``parser.error``, exit status 2), never a traceback.
+    """
+    import yaml
+
+    where = f"--config {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f)
+    except FileNotFoundError:
+        parser.error(f"{where}: no such file")
+    except IsADirectoryError:
+        parser.error(f"{where}: is a directory, not a YAML file")
+    except OSError as exc:
+        parser.error(f"{where}: cannot read it: {exc.strerror or exc}")
+    except UnicodeDecodeError as exc:
+        parser.error(f"{where}: not a UTF-8 text file ({exc.reason} at byte {exc.start})")
+    except yaml.YAMLError as exc:
+        detail = " ".join(str(exc).split())
+        parser.error(f"{where}: malformed YAML: {detail}")
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        parser.error(
+            f"{where}: expected a mapping of option names to values, got a "
+            f"{type(loaded).__name__} ({loaded!r:.60})"
+        )
+    bad = [k for k in loaded if not isinstance(k, str)]
+    if bad:
+        parser.error(f"{where}: option names must be strings, got {bad!r}")
+    return loaded
+
+
+_TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")
+_KIND_NAMES = {bool: "a boolean", int: "an int", float: "a number", str: "a string",
+               dict: "a mapping"}  # fmt: skip
+
+
+def coerce(value, kind: type, *, optional: bool = False):
+    """``value`` (from YAML) as ``kind``, or ``ValueError`` saying what was expected.
+
+    bool: a YAML boolean, or one of the strings true/false/yes/no/on/off in any case (a
+    quoted ``"no"`` is false, not a non-empty string); int: an int, or a float or string
+    of a whole number (YAML reads ``1e3`` as a string); float: a number or a numeric
+    string (``3e-4``); str and dict: exactly that. ``None`` only where ``optional``.
+    Booleans are never numbers here (YAML's ``yes`` is not 1).
+    """
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"expected {_KIND_NAMES[kind]}, got null")
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError(f"expected a boolean (true/false, yes/no, on/off), got {value!r}")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        number = value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                try:
+                    number = float(value)
+                except ValueError:
+                    number = None
+        if isinstance(number, float) and not isinstance(value, bool) and number.is_integer():
+            return int(number)
+        raise ValueError(f"expected an int, got {value!r}")
+    if kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"expected a number, got {value!r}")
+    if not isinstance(value, kind):
+        raise ValueError(f"expected {_KIND_NAMES[kind]}, got {type(value).__name__} {value!r}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> dict:
     """The options: defaults, then the YAML ``--config``, then the flags given.
 
     ``description`` heads ``--help`` (the launcher passes the first paragraph of its
-    docstring). Invalid options exit with argparse's usage error.
+    docstring). Invalid options (a wrong type in the YAML, a value out of its range, a
+    config file that cannot be read) exit with argparse's usage error, naming the option.
     """
     p = argparse.ArgumentParser(
         description=description,
@@ -90,23 +190,16 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     opts = {key: default for key, (default, _, _) in OPTIONS.items()}
     config = args.pop("config")
     if config:
-        import yaml
-
-        with open(config) as f:
-            loaded = yaml.safe_load(f) or {}
+        loaded = load_yaml_config(config, p)
         unknown = set(loaded) - set(OPTIONS)
         if unknown:
             p.error(f"{config}: unknown keys {sorted(unknown)}")
         for key, value in loaded.items():
-            kind = OPTIONS[key][1]
-            # YAML reads `3e-4` (no dot) as a string and `1` as an int: take them as numbers.
-            numeric = isinstance(value, str | int) and not isinstance(value, bool)
-            if kind in (int, float) and numeric:
-                try:
-                    value = kind(value)
-                except ValueError:
-                    p.error(f"{config}: {key}: expected {kind.__name__}, got {value!r}")
-            opts[key] = value
+            default, kind, _ = OPTIONS[key]
+            try:
+                opts[key] = coerce(value, kind, optional=default is None)
+            except ValueError as exc:
+                p.error(f"{config}: {key}: {exc}")
     opts.update({k: v for k, v in args.items() if v is not None})
     opts["config"] = str(config) if config else None
     if opts["run_dir"] is None:
@@ -115,21 +208,104 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     return opts
 
 
+# The range of every numeric option: (low, high, low included, high included); None: unbounded.
+RANGES: dict[str, tuple] = {
+    "tp": (1, None, True, None),
+    "world_size": (1, None, True, None),
+    "steps": (1, None, True, None),
+    "batch_size": (1, None, True, None),
+    "context": (1, None, True, None),
+    "d_model": (1, None, True, None),
+    "n_layers": (1, None, True, None),
+    "n_heads": (1, None, True, None),
+    "mlp_ratio": (1, None, True, None),
+    "vocab_size": (1, None, True, None),
+    "label_smoothing": (0.0, 1.0, True, False),
+    "lr": (0.0, None, False, None),
+    "min_lr_ratio": (0.0, 1.0, True, True),
+    "warmup_steps": (0, None, True, None),
+    "weight_decay": (0.0, None, True, None),
+    "beta1": (0.0, 1.0, True, False),
+    "beta2": (0.0, 1.0, True, False),
+    "grad_clip": (0.0, None, True, None),
+    "seed": (0, 2**32, True, False),  # numpy's and torch's generators take it (and seed * 1e6)
+    "val_fraction": (0.0, 1.0, False, False),
+    "val_batches": (1, None, True, None),
+    "eval_every": (0, None, True, None),
+    "save_every": (0, None, True, None),
+    "keep_checkpoints": (0, None, True, None),
+    "stop_at": (0, None, True, None),
+    "log_every": (1, None, True, None),
+    "zero_stage": (0, 2, True, True),
+    "timeout_s": (1, None, True, None),
+}
+CHOICES = {
+    "engine": ("torch", "deepspeed"),
+    "dtype": tuple(DTYPES),
+    "mode": ("memory_saving", "high_performance"),
+    "backend": ("auto", "triton", "torch"),
+}
+# The byte-level BPE tokenizer starts from the 256 bytes and adds <|endoftext|>.
+MIN_BPE_VOCAB = 257
+
+
+def describe_range(low, high, low_in, high_in, kind: type) -> str:
+    what = "an int" if kind is int else "a finite number"
+    if high is None:
+        return f"{what} {'>=' if low_in else '>'} {low}"
+    return f"{what} in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+
+
 def check_options(o: dict, p: argparse.ArgumentParser) -> None:
-    """Reject what would fail later, or silently misbehave, with a usage error now."""
-    if o["engine"] not in ("torch", "deepspeed"):
-        p.error(f"engine: expected torch or deepspeed, got {o['engine']!r}")
-    if o["dtype"] not in DTYPES:
-        p.error(f"dtype: expected one of {sorted(DTYPES)}, got {o['dtype']!r}")
-    for key in ("tp", "steps", "batch_size", "context", "d_model", "n_layers", "n_heads"):
-        if not isinstance(o[key], int) or o[key] < 1:
-            p.error(f"{key}: expected an int >= 1, got {o[key]!r}")
+    """Reject what would fail later, or silently misbehave, with a usage error now: every
+    option's type and range, and the combinations that cannot work."""
+
+    def name(key: str) -> str:
+        return f"{key} (--{key.replace('_', '-')})"
+
+    for key, (default, kind, _) in OPTIONS.items():  # flags are typed; values set in code too
+        value = o[key]
+        if value is None and default is None:
+            continue
+        ok = (
+            isinstance(value, int | float) and not isinstance(value, bool)
+            if kind is float
+            else isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        )
+        if not ok:
+            p.error(f"{name(key)}: expected {_KIND_NAMES[kind]}, got {value!r}")
+    for key, (low, high, low_in, high_in) in RANGES.items():
+        value, kind = o[key], OPTIONS[key][1]
+        if value is None:
+            continue
+        inside = (
+            math.isfinite(value)
+            and (value >= low if low_in else value > low)
+            and (high is None or (value <= high if high_in else value < high))
+        )
+        if not inside:
+            p.error(f"{name(key)}: expected {describe_range(low, high, low_in, high_in, kind)}, "
+                    f"got {value!r}")  # fmt: skip
+    for key, choices in CHOICES.items():
+        if o[key] not in choices:
+            p.error(f"{name(key)}: expected one of {', '.join(choices)}, got {o[key]!r}")
+    for key in ("data", "cache_dir", "run_dir", "tokenizer"):
+        if o[key] is not None and not o[key].strip():
+            p.error(f"{name(key)}: expected a path, got an empty string")
     if o["d_model"] % o["n_heads"]:
         p.error(f"d_model {o['d_model']} is not a multiple of n_heads {o['n_heads']}")
-    if o["zero_stage"] not in (0, 1, 2):
-        p.error(f"zero_stage: expected 0, 1 or 2, got {o['zero_stage']!r}")
-    if not isinstance(o["deepspeed"], dict):
-        p.error("deepspeed: expected a mapping of DeepSpeed config keys")
+    if o["tokenizer"] is None and o["vocab_size"] < MIN_BPE_VOCAB:
+        p.error(
+            f"{name('vocab_size')}: the byte-level BPE tokenizer has at least {MIN_BPE_VOCAB} "
+            f"tokens (256 bytes and {'<|endoftext|>'}), got {o['vocab_size']}"
+        )
+    if o["resume"] and o["overwrite"]:
+        p.error("--resume and --overwrite: give one or the other (continue the run in run_dir, "
+                "or delete its checkpoints and start anew)")  # fmt: skip
+    if o["dry_run"] and o["world_size"] and o["world_size"] % o["tp"]:
+        p.error(f"tp {o['tp']} does not divide world_size {o['world_size']}")
+    if not all(isinstance(k, str) for k in o["deepspeed"]):
+        p.error("deepspeed: expected a mapping of DeepSpeed config keys (strings)")
 
 
 def lr_at(step: int, o: dict) -> float:

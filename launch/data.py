@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from launch.config import ROOT
+from launch.dist_env import collective
 
 # Bump when the tokenizer recipe or the token file format changes: it is part of the
 # cache key, so old caches are ignored rather than misread.
@@ -217,20 +218,31 @@ def resolve_data_path(path: str) -> Path:
 
 def load_data(o: dict, rank: int, device: torch.device) -> tuple[TokenData, dict]:
     """Rank 0 tokenises the corpus (training the tokenizer at the first run) and sends the
-    token ids to every rank; the others wait in the broadcast, bounded by ``timeout_s``."""
+    token ids to every rank; the others wait in the broadcast, bounded by ``timeout_s``.
+
+    Where rank 0 cannot (no corpus, an unreadable tokenizer, a vocabulary too large...),
+    it sends the reason instead, and every rank exits with it: none waits for data that
+    will never come."""
     payload = [None, None]
     if rank == 0:
         t0 = time.perf_counter()
-        tokens, info = prepare_tokens(
-            resolve_data_path(o["data"]), o["vocab_size"], o["cache_dir"], o["tokenizer"]
-        )
-        info["seconds"] = round(time.perf_counter() - t0, 2)
-        if info["tokenizer_vocab_size"] > o["vocab_size"]:
-            raise SystemExit(
-                f"tokenizer has {info['tokenizer_vocab_size']} tokens, more than "
-                f"vocab_size {o['vocab_size']}"
+        try:
+            tokens, info = prepare_tokens(
+                resolve_data_path(o["data"]), o["vocab_size"], o["cache_dir"], o["tokenizer"]
             )
-        payload = [tokens, info]
-    dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
+            info["seconds"] = round(time.perf_counter() - t0, 2)
+            if info["tokenizer_vocab_size"] > o["vocab_size"]:
+                payload = [None, f"tokenizer has {info['tokenizer_vocab_size']} tokens, more "
+                                 f"than vocab_size {o['vocab_size']}"]  # fmt: skip
+            else:
+                payload = [tokens, info]
+        except Exception as exc:  # sent to every rank, which all exit with it
+            payload = [None, f"cannot prepare the tokens of data {o['data']!r} (cache_dir "
+                             f"{o['cache_dir']!r}, tokenizer {o['tokenizer']!r}): "
+                             f"{type(exc).__name__}: {exc}"]  # fmt: skip
+    with collective("broadcast of the token ids", None):
+        dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
     tokens, info = payload
+    if tokens is None:
+        raise SystemExit(f"data: {info}")
     return TokenData(tokens, o["val_fraction"]), info

@@ -8,15 +8,63 @@ Both ``train.py`` and ``verify.py`` start this way.
 
 The DeepSpeed engine also needs DeepSpeed's own communication layer on top of the same
 process group; :func:`init_distributed` sets it up when the options ask for DeepSpeed.
+
+Every group the launcher creates (:func:`init_groups`: the TP and DP groups) takes the
+same timeout as the default group, and every collective the launcher itself calls runs
+inside :func:`collective`, so that a rank that died or stopped makes the others fail
+within ``timeout_s`` with a :class:`CollectiveError` that names the collective and the
+group (its ranks), rather than hang or print a bare transport error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+
+from vocab_parallel import distributed
+from vocab_parallel.parallel import ParallelGroups, init_parallel_groups
+
+# The collective timeout of this process (seconds), for the messages of CollectiveError.
+_timeout_s: float | None = None
+
+
+# The library's: a failed collective of the loss and one of the launcher end the same way.
+CollectiveError = distributed.CollectiveError
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` (``None``: the default group)."""
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+@contextlib.contextmanager
+def collective(what: str, group: dist.ProcessGroup | None = None,
+               group_name: str = "the default group") -> Iterator[None]:  # fmt: skip
+    """Run the launcher's collective ``what`` over ``group`` (called ``group_name``); a
+    failure of the transport (a timeout, a peer gone) becomes a :class:`CollectiveError`
+    that says which collective over which ranks of which group failed, and why."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:  # DistBackendError, gloo/NCCL timeouts, a closed connection
+        try:
+            ranks = group_ranks(group)
+        except Exception:  # the group itself is broken: say so rather than mask the cause
+            ranks = "?"
+        limit = f"timeout_s {_timeout_s:g}; " if _timeout_s is not None else ""
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CollectiveError(
+            f"{what} over ranks {ranks} of {group_name} failed ({limit}a rank may have died, "
+            f"stopped or be stuck): {cause}"
+        ) from exc
 
 
 def init_from_env(timeout_s: float, default_port: int = 29511) -> tuple[str, torch.device]:
@@ -40,6 +88,8 @@ def init_from_env(timeout_s: float, default_port: int = 29511) -> tuple[str, tor
         device, backend = torch.device("cpu"), "gloo"
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    global _timeout_s
+    _timeout_s = timeout_s
     dist.init_process_group(
         backend,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -55,6 +105,18 @@ def init_distributed(o: dict) -> tuple[str, torch.device]:
         # DeepSpeed adopts the process group above (and its timeout) rather than making one.
         deepspeed_integration().init_distributed(backend, timeout=o["timeout_s"])
     return backend, device
+
+
+def init_groups(o: dict) -> ParallelGroups:
+    """The TP and DP groups of the launcher's options (collective), with ``timeout_s``
+    (not torch's 30 minutes for new groups) on every one of them."""
+    world = dist.get_world_size()
+    if world % o["tp"]:
+        raise SystemExit(
+            f"tp {o['tp']} does not divide the world size {world}: start a multiple of "
+            f"{o['tp']} ranks (torchrun --nproc-per-node) or change --tp"
+        )
+    return init_parallel_groups(o["tp"], timeout=datetime.timedelta(seconds=o["timeout_s"]))
 
 
 def deepspeed_integration():

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from launch.config import deepspeed_config
-from launch.dist_env import deepspeed_integration
+from launch.dist_env import collective, deepspeed_integration
 from vocab_parallel.distributed import world_size
 from vocab_parallel.parallel import ParallelGroups
 
@@ -54,7 +54,8 @@ def tp_grad_norm(
     for g, is_shard in zip(grads, sharded, strict=True):
         sq[is_shard] += g.float().pow(2).sum()
     if world_size(tp_group) > 1:
-        dist.all_reduce(sq[1], group=tp_group)
+        with collective("all-reduce of the gradient norm", tp_group, "the tensor-parallel group"):
+            dist.all_reduce(sq[1], group=tp_group)
     return (sq[0] + sq[1]).sqrt()
 
 
@@ -102,7 +103,9 @@ class TorchEngine:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         if self.groups.dp_size > 1:
-            dist.all_reduce(flat, group=self.groups.dp_group)
+            dp = self.groups.dp_group
+            with collective("all-reduce of the gradients", dp, "the data-parallel group"):
+                dist.all_reduce(flat, group=dp)
             flat.div_(self.groups.dp_size)
         views = flat.split([p.numel() for p in self.params])
         norm = tp_grad_norm(views, self.sharded, self.groups.tp_group)
@@ -148,7 +151,8 @@ def replicas_in_sync(model: nn.Module, group: dist.ProcessGroup | None) -> bool:
             h.update(name.encode())
             h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     digests = [None] * world_size(group)
-    dist.all_gather_object(digests, h.hexdigest(), group=group)
+    with collective("all-gather of the replicas' digests", group, "the tensor-parallel group"):
+        dist.all_gather_object(digests, h.hexdigest(), group=group)
     return len(set(digests)) == 1
 
 

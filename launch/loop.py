@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from launch.checkpoints import checkpoint_root, save_checkpoint
 from launch.config import lr_at
+from launch.dist_env import collective
 from launch.report import FILE_ONLY, mib, peak_memory_bytes, progress_bar, side_by_side
 
 log = logging.getLogger("train")
@@ -47,21 +48,31 @@ def evaluate(runner, batches, groups, device) -> float:
         total[1] += 1
     runner.module.train()
     if groups.dp_size > 1:
-        dist.all_reduce(total, group=groups.dp_group)
+        with collective("all-reduce of the validation loss", groups.dp_group,
+                        "the data-parallel group"):  # fmt: skip
+            dist.all_reduce(total, group=groups.dp_group)
     return (total[0] / total[1]).item()
 
 
 def train(o: dict, runners: dict, data, groups, device: torch.device, *, start: int,
-          history: dict, interactive: bool) -> LoopResult:  # fmt: skip
+          history: dict, interactive: bool, run_id: str) -> LoopResult:  # fmt: skip
     """Steps ``start + 1 .. o["steps"]`` of every runner (collective), appending to
-    ``history``; validation every ``eval_every`` steps and at the end."""
-    val_batches = data.val_batches(
-        dp_rank=groups.dp_rank,
-        dp_size=groups.dp_size,
-        batch_size=o["batch_size"],
-        context=o["context"],
-        max_batches=o["val_batches"],
-    )
+    ``history``; validation every ``eval_every`` steps and at the end; checkpoints (of the
+    run ``run_id``) every ``save_every`` steps."""
+    # What the data cannot give is known now, and alike on every rank: say so and stop.
+    if len(data.train) < o["context"] + 2:
+        raise SystemExit(f"data: the training part of {o['data']} ({len(data.train):,} tokens) "
+                         f"is too short for context {o['context']}")  # fmt: skip
+    try:
+        val_batches = data.val_batches(
+            dp_rank=groups.dp_rank,
+            dp_size=groups.dp_size,
+            batch_size=o["batch_size"],
+            context=o["context"],
+            max_batches=o["val_batches"],
+        )
+    except ValueError as exc:
+        raise SystemExit(f"data: {exc}") from None
 
     def validate(step: int) -> None:
         losses = [evaluate(r, val_batches, groups, device) for r in runners.values()]
@@ -92,7 +103,8 @@ def train(o: dict, runners: dict, data, groups, device: torch.device, *, start: 
         results = [r.train_step(x, y, lr) for r in runners.values()]
         losses = torch.stack([loss for loss, _ in results]).double()
         if groups.dp_size > 1:
-            dist.all_reduce(losses, group=groups.dp_group)
+            with collective("all-reduce of the loss", groups.dp_group, "the data-parallel group"):
+                dist.all_reduce(losses, group=groups.dp_group)
             losses /= groups.dp_size
         losses = losses.tolist()  # also waits for the GPU: the step time below is real
         seconds = time.perf_counter() - t0
@@ -127,7 +139,7 @@ def train(o: dict, runners: dict, data, groups, device: torch.device, *, start: 
         if o["eval_every"] and step % o["eval_every"] == 0 and step != o["steps"]:
             validate(step)
         if o["save_every"] and (step % o["save_every"] == 0 or step == o["steps"]):
-            tag = save_checkpoint(o, runners, step, history)
+            tag = save_checkpoint(o, runners, step, history, run_id)
             log.info(f"step {step}: saved checkpoint {checkpoint_root(o) / tag}", **FILE_ONLY)
         if o["stop_at"] and step == o["stop_at"] and step != o["steps"]:
             log.info(f"step {step}: stopping here without saving (--stop-at)")

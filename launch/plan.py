@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from launch.config import DTYPES, deepspeed_config
+from launch.dist_env import init_groups
 from launch.model import build_model
 from launch.report import mib
 
@@ -24,13 +25,11 @@ def dry_run(o: dict) -> int:
     (a fake process group stands for the ranks), and print the plan."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from vocab_parallel.parallel import init_parallel_groups
-
     world = o["world_size"] or o["tp"]
     if world % o["tp"]:
         raise SystemExit(f"tp {o['tp']} does not divide world_size {world}")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    groups = init_parallel_groups(o["tp"])
+    groups = init_groups(o)  # as a real run makes them, timeout_s included
     dtype = DTYPES[o["dtype"]]
     with torch.device("meta"):
         model = build_model(o, "vocab_parallel", groups, "meta").to(dtype)

@@ -25,7 +25,13 @@ ZeRO stage ``zero_stage`` over the DP group).
 Outputs, in ``run_dir`` (rank 0): ``train.log``, ``loss_curve.png``, ``summary.json``, and
 ``checkpoints/`` every ``save_every`` steps. ``--resume`` continues from the latest
 checkpoint and reproduces the uninterrupted run's losses exactly (model, optimizer, step
-and RNG are restored; data and learning rate are functions of the step).
+and RNG are restored; data and learning rate are functions of the step; every file is
+checked against the SHA-256 recorded at save). A new run refuses a ``run_dir`` that holds
+checkpoints, unless ``--overwrite`` (delete them first) or ``--resume`` is given.
+
+Failures end the job rather than hang it or go unnoticed: a rank that dies or stops makes
+the others exit within ``timeout_s``, naming the collective and the group that failed; a
+non-finite loss, or TP replicas that no longer agree at the end, exit non-zero.
 
 ``--check-against-unsharded`` trains, in lockstep on the same batches, the same model
 with an ordinary full head and ``F.cross_entropy`` (same init, same optimizer), and
@@ -45,34 +51,57 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from launch.checkpoints import checkpoint_root, load_checkpoint  # noqa: E402
+from launch.checkpoints import (  # noqa: E402
+    check_run_dir,
+    checkpoint_root,
+    load_checkpoint,
+    new_run_id,
+    open_checkpoint,
+    overwrite_run_dir,
+)
 from launch.config import parse_args  # noqa: E402
 from launch.data import load_data  # noqa: E402
-from launch.dist_env import init_distributed  # noqa: E402
+from launch.dist_env import CollectiveError, collective, init_distributed, init_groups  # noqa: E402
 from launch.engines import make_runner, replicas_in_sync  # noqa: E402
 from launch.loop import train  # noqa: E402
 from launch.model import build_model  # noqa: E402
 from launch.plan import dry_run  # noqa: E402
 from launch.report import finish, log, peak_memory_bytes, setup_logging  # noqa: E402
-from vocab_parallel.parallel import init_parallel_groups  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     o = parse_args(argv, description=__doc__.split("\n\n")[0])
     if o["dry_run"]:
         return dry_run(o)
+    check_run_dir(o)  # before anything is written into run_dir
     wall0 = time.perf_counter()
     backend, device = init_distributed(o)
+    try:
+        return run(o, backend, device, wall0)
+    except CollectiveError as exc:  # a rank died, stopped or hung: say which collective
+        log.error(f"error: {exc}")
+        return 1
+
+
+def run(o: dict, backend: str, device: torch.device, wall0: float) -> int:
+    """The training job, once the default process group is up (collective)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir, interactive = Path(o["run_dir"]), sys.stdout.isatty()
+    removed = overwrite_run_dir(o) if o["overwrite"] else 0
     setup_logging(run_dir, rank, o["resume"], interactive)
-    groups = init_parallel_groups(o["tp"])
+    if removed:
+        log.info(f"--overwrite: deleted {removed} checkpoint entries of an earlier run in "
+                 f"{checkpoint_root(o)}")  # fmt: skip
+    groups = init_groups(o)
     if o["world_size"] and o["world_size"] != world:
         log.info(f"note: {o['config']} is written for {o['world_size']} ranks; running on {world}")
     log.info(
         f"world {world} = TP {groups.tp_size} x DP {groups.dp_size}, {backend} on {device.type}, "
         f"engine {o['engine']}, {o['dtype']}, run dir {run_dir}"
     )
+    # A checkpoint that cannot be resumed (damaged, other options) stops the run before the
+    # data and the models are made.
+    checkpoint = open_checkpoint(o) if o["resume"] else None
     data, info = load_data(o, rank, device)
     log.info(
         f"data: {info['corpus']}, {info['tokens']:,} tokens ({len(data.train):,} train, "
@@ -99,25 +128,38 @@ def main(argv: list[str] | None = None) -> int:
     history = {"step": [], "loss": [], "grad_norm": [], "lr": [], "val": []}
     if o["check_against_unsharded"]:
         history["ref_loss"] = []
-    start = 0
-    if o["resume"]:
-        start, history = load_checkpoint(o, runners)
+    start, run_id = 0, new_run_id()
+    if checkpoint is not None:
+        start, history, run_id = load_checkpoint(o, runners, *checkpoint)
         log.info(f"resumed from step {start} ({checkpoint_root(o) / f'step_{start:06d}'})")
-    run = train(o, runners, data, groups, device, start=start, history=history,
-                interactive=interactive)  # fmt: skip
-    if run.status == "diverged":
+    result = train(o, runners, data, groups, device, start=start, history=history,
+                   interactive=interactive, run_id=run_id)  # fmt: skip
+    if result.status == "diverged":
         return 1
-    if run.status == "stopped":
+    if result.status == "stopped":
         dist.destroy_process_group()
         return 0
 
     in_sync = all(replicas_in_sync(r.module, groups.tp_group) for r in runners.values())
-    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    # The largest peak memory, and whether the replicas of any TP group differ, over all ranks.
+    flags = torch.tensor([peak_memory_bytes(device), 0.0 if in_sync else 1.0],
+                         dtype=torch.float64, device=device)  # fmt: skip
+    with collective("all-reduce of the peak memory", None):
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    peak, in_sync = flags[0].item(), flags[1].item() == 0.0
     if rank == 0:
-        finish(o, run, info, groups, world=world, backend=backend, device=device,
-               peak=peak.item(), in_sync=in_sync, wall=time.perf_counter() - wall0)  # fmt: skip
+        finish(o, result, info, groups, world=world, backend=backend, device=device,
+               peak=peak, in_sync=in_sync, wall=time.perf_counter() - wall0)  # fmt: skip
     dist.destroy_process_group()
+    if not in_sync:  # every rank exits non-zero; rank 0 says why
+        if rank == 0:
+            log.error(
+                "error: the tensor-parallel replicas diverged: the replicated parameters "
+                "(the body) are no longer bitwise equal on the ranks of a TP group, so the "
+                "ranks trained different models and the losses above are not those of one "
+                "model (summary.json: tp_replicas_in_sync false)"
+            )
+        return 1
     return 0
 
 

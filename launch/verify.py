@@ -16,6 +16,7 @@ No rank hangs forever: collectives have a timeout, and after every case the rank
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from launch.dist_env import init_from_env  # noqa: E402
+from launch.config import coerce, describe_range, load_yaml_config  # noqa: E402
+from launch.dist_env import CollectiveError, collective, init_from_env  # noqa: E402
 from vocab_parallel.testing import Case, check_case, grid  # noqa: E402
 
 DEFAULTS = {
@@ -41,30 +43,82 @@ DEFAULTS = {
     "backends": ["auto"],
     "timeout_s": 300,
 }
+# The type of each key (of each element, for the lists) and its allowed values or range.
+KINDS = {
+    "tokens": int,
+    "hidden": int,
+    "vocab": int,
+    "dtypes": str,
+    "modes": str,
+    "reductions": str,
+    "label_smoothing": float,
+    "backends": str,
+    "timeout_s": int,
+}
+CHOICES = {
+    "dtypes": ("float32", "bfloat16", "float16"),
+    "modes": ("memory_saving", "high_performance"),
+    "reductions": ("none", "sum", "mean"),
+    "backends": ("auto", "triton", "torch"),
+}
+RANGES = {  # (low, high, low included, high included)
+    "tokens": (1, None, True, None),
+    "hidden": (1, None, True, None),
+    "vocab": (1, None, True, None),
+    "label_smoothing": (0.0, 1.0, True, False),
+    "timeout_s": (1, None, True, None),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> dict:
+    """The options: defaults, then the YAML ``--config``, then the flags. Any value of a
+    wrong type, out of its range, or an empty list is a usage error naming the option."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", help="YAML file with any of the keys below (flags override it)")
     for key, value in DEFAULTS.items():
+        flag = "--" + key.replace("_", "-")
         if isinstance(value, list):
-            kind = type(value[0])
-            p.add_argument("--" + key.replace("_", "-"), nargs="+", type=kind, default=None)
+            p.add_argument(flag, nargs="+", type=KINDS[key], default=None)
         else:
-            p.add_argument("--" + key.replace("_", "-"), type=type(value), default=None)
+            p.add_argument(flag, type=KINDS[key], default=None)
     args = vars(p.parse_args(argv))
     options = dict(DEFAULTS)
     config = args.pop("config")
     if config:
-        import yaml
-
-        with open(config) as f:
-            loaded = yaml.safe_load(f) or {}
+        loaded = load_yaml_config(config, p)
         unknown = set(loaded) - set(DEFAULTS)
         if unknown:
             p.error(f"unknown keys in config: {sorted(unknown)}")
-        options.update(loaded)
+        for key, value in loaded.items():
+            try:
+                if isinstance(DEFAULTS[key], list):
+                    if not isinstance(value, list):
+                        raise ValueError(f"expected a list, got {value!r}")
+                    value = [coerce(v, KINDS[key]) for v in value]
+                else:
+                    value = coerce(value, KINDS[key])
+            except ValueError as exc:
+                p.error(f"{config}: {key}: {exc}")
+            options[key] = value
     options.update({k: v for k, v in args.items() if v is not None})
+    for key, value in options.items():
+        name = f"{key} (--{key.replace('_', '-')})"
+        values = value if isinstance(DEFAULTS[key], list) else [value]
+        if not values:
+            p.error(f"{name}: expected a non-empty list")
+        for v in values:
+            if key in CHOICES and v not in CHOICES[key]:
+                p.error(f"{name}: expected one of {', '.join(CHOICES[key])}, got {v!r}")
+            if key in RANGES:
+                low, high, low_in, high_in = RANGES[key]
+                inside = (
+                    math.isfinite(v)
+                    and (v >= low if low_in else v > low)
+                    and (high is None or (v <= high if high_in else v < high))
+                )
+                if not inside:
+                    what = describe_range(low, high, low_in, high_in, KINDS[key])
+                    p.error(f"{name}: expected {what}, got {v!r}")
     return options
 
 
@@ -87,6 +141,15 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     backend, device = init_from_env(opts["timeout_s"])
+    try:
+        return run(opts, backend, device)
+    except CollectiveError as exc:  # a rank died, stopped or hung: say which collective
+        print(f"verify: rank {dist.get_rank()}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+def run(opts: dict, backend: str, device: torch.device) -> int:
+    """Every case of the grid on every rank (collective); 1 on any mismatch."""
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     cases: list[Case] = grid(
@@ -109,9 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # reported, then agreed on below
             result, error = None, f"rank {rank}: {type(exc).__name__}: {exc}"
         flag = torch.tensor([0 if result and result["ok"] else 1], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         gathered = [None] * world
-        dist.all_gather_object(gathered, (result, error))
+        with collective("agreement on the case's verdict", group):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_gather_object(gathered, (result, error))
         errors = [e for _, e in gathered if e]
         if errors:
             if rank == 0:

@@ -2,20 +2,19 @@
 
 Each test starts ``torchrun --standalone`` (a free port every time) on gloo with a tiny
 model, a 512-token BPE vocabulary and the first 300 kB of the embedded corpus, so that a
-run takes seconds. The tokenizer is trained once per session (the first run's rank 0)
-and cached for the others, as in real use. Every subprocess has a timeout and is killed
-with its whole process group on expiry, so a hung rank cannot hang the suite.
+run takes seconds (the helpers and the shared fixture are in ``launch_helpers.py``). The
+tokenizer is trained once per session (the first run's rank 0) and cached for the others,
+as in real use. Every subprocess has a timeout and is killed with its whole process group
+on expiry, so a hung rank cannot hang the suite. The launcher's faults and bad inputs are
+tested in ``test_launch_faults.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,56 +23,16 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from launch.data import TokenData, read_text  # noqa: E402
+from launch_helpers import ROOT, RUN_TIMEOUT_S, TRAIN, common, make_corpus_and_cache, torchrun  # noqa: E402
+
+from launch.data import TokenData  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
-TRAIN = ROOT / "launch" / "train.py"
-RUN_TIMEOUT_S = 300
-TINY = [
-    "--vocab-size", "512", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
-    "--context", "32", "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2",
-    "--val-fraction", "0.05", "--val-batches", "2", "--timeout-s", "120",
-]  # fmt: skip
-
 
 @pytest.fixture(scope="session")
-def corpus_and_cache(tmp_path_factory) -> tuple[Path, Path]:
-    """A small corpus (a prefix of the embedded one) and a tokenizer cache shared by tests."""
-    folder = tmp_path_factory.mktemp("train_data")
-    corpus = folder / "corpus.txt"
-    corpus.write_text(read_text(ROOT / "data" / "kjv.txt.gz")[:300_000], encoding="utf-8")
-    return corpus, folder / "cache"
-
-
-def torchrun(nproc: int, args: list[str], *, extra_env: dict | None = None) -> str:
-    """Run ``launch/train.py`` on ``nproc`` gloo ranks; returns stdout+stderr, fails on error."""
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **(extra_env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(TRAIN), *args]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group: killed as a whole on timeout
-    )
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {RUN_TIMEOUT_S} s:\n{out[-4000:]}")
-    assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{out[-6000:]}"
-    return out
-
-
-def common(corpus_and_cache) -> list[str]:
-    corpus, cache = corpus_and_cache
-    return [*TINY, "--data", str(corpus), "--cache-dir", str(cache)]
+def corpus_and_cache(tmp_path_factory):
+    return make_corpus_and_cache(tmp_path_factory)
 
 
 def test_smoke_two_ranks(corpus_and_cache, tmp_path):

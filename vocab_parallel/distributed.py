@@ -5,14 +5,19 @@ here then returns without touching torch.distributed, so the loss also works in 
 process that never initialised it. All payloads are fp32 (gloo has no bf16 collectives).
 
 A collective that fails (most often: a peer rank died or stopped and the group's timeout
-ran out) raises a ``RuntimeError`` that says which collective of the loss it was and over
-which ranks, instead of the backend's bare "Timed out waiting for recv".
+ran out) raises a :class:`CollectiveError` (a ``RuntimeError``) that says which
+collective of the loss it was and over which ranks, instead of the backend's bare
+"Timed out waiting for recv".
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a rank died, stopped or left the group, or the timeout ran out."""
 
 
 def world_size(process_group: dist.ProcessGroup | None) -> int:
@@ -39,7 +44,7 @@ def all_reduce(
         try:
             dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=process_group)
         except RuntimeError as exc:  # DistBackendError and timeouts derive from it
-            raise RuntimeError(
+            raise CollectiveError(
                 f"vocab_parallel: {op} all-reduce of {what} over ranks "
                 f"{group_ranks(process_group)} of process_group failed (a rank died, stopped "
                 f"or left the group, or the group's timeout ran out): {exc}"

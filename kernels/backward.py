@@ -1,16 +1,20 @@
 """Triton kernel of the fused linear + cross-entropy backward, and its launcher.
 
-The backward of ``loss = CE(x @ W.T, y)`` over one vocabulary shard is
+The backward of ``loss = CE(z, y) + z_loss * lse^2`` with ``z = cap(r)``,
+``r = x @ W.T + b`` (``cap(r) = c * tanh(r / c)`` with ``softcap`` c, else the identity),
+over one vocabulary shard is (the operator's math: ``vocab_parallel.ops``)
 
-    G           = (softmax(x @ W.T) - q) * grad[:, None]      (q: target distribution)
-    grad_input  = G @ W
-    grad_weight = G.T @ x
+    G           = (softmax(z) * (1 + 2 z_loss lse) - q) * grad[:, None] * cap'(r)
+    cap'(r)     = 1 - tanh(r / c)^2                           (q: target distribution)
+    grad_input  = G @ W;   grad_weight = G.T @ x;   grad_bias = G.sum(0)
 
 The full ``G`` is ``[BT, V]``; we never hold it. The launcher walks the vocabulary in
 chunks of ``CV`` columns. For each chunk, ``_logits_grad_kernel`` recomputes the logits
-tile by tile (memory-saving mode) or reads the saved softmax (high-performance mode) and
-applies the whole epilogue in registers: exp, normalise, one-hot, label smoothing, scale
-by ``grad``, round to the input dtype. Only the chunk ``G[:, v0:v0+CV]`` reaches memory.
+tile by tile (memory-saving mode: bias and cap included), or reads the saved softmax or
+the saved capped logits (high-performance mode) and applies the whole epilogue in
+registers: cap, exp, normalise, z-loss scale, one-hot, label smoothing, scale by
+``grad``, the cap's derivative, round to the input dtype. Only the chunk
+``G[:, v0:v0+CV]`` reaches memory.
 
 The two gradient GEMMs are what cuBLAS does best: they go through torch (fp32 outputs,
 ``vocab_parallel.precision``) in the chunk loop shared with the torch backend
@@ -39,6 +43,7 @@ from vocab_parallel.kernels.common import (
     dot_in_fp32,
     interpreting,
     logits_tile,
+    tanh,
     tile_config,
     tile_configs,
 )
@@ -65,11 +70,13 @@ def _logits_grad_kernel(
     # Pointers
     x_ptr,  # [BT, H] input (memory-saving mode)
     w_ptr,  # [V, H] weight, rows of this shard (memory-saving mode)
-    softmax_ptr,  # [BT, V] fp32 saved softmax (only read when HAS_SOFTMAX)
+    b_ptr,  # [V] bias of this shard's rows, input dtype (only read when HAS_BIAS)
+    saved_ptr,  # [BT, V] fp32 saved softmax (HAS_SOFTMAX) or capped logits (HAS_LOGITS)
     grad_ptr,  # [BT] or [1] fp32 upstream gradient
     target_ptr,  # [BT] int64 local target column, -1 where not on this shard
-    max_ptr,  # [BT] fp32 global logits max (memory-saving mode)
-    sumexp_ptr,  # [BT] fp32 global sum of exp(logits - max) (memory-saving mode)
+    max_ptr,  # [BT] fp32 global logits max (not read when HAS_SOFTMAX)
+    sumexp_ptr,  # [BT] fp32 global sum of exp(logits - max) (not read when HAS_SOFTMAX)
+    pscale_ptr,  # [BT] or [1] fp32 factor of the softmax: 1 + 2 * z_loss * lse
     g_ptr,  # [BT, CV] output chunk of G, input dtype
     # Sizes
     BT,
@@ -84,13 +91,18 @@ def _logits_grad_kernel(
     stride_sm,
     stride_sn,
     stride_grad,  # 0 broadcasts a single upstream gradient
+    stride_ps,  # 0 broadcasts a single factor (1.0 without z-loss)
     stride_gm,
     stride_gn,
     # Scalars of the target distribution q = on_target * onehot + smooth_all
     on_target,  # 1 - label_smoothing
     smooth_all,  # label_smoothing / global_vocab_size
+    softcap,  # c of z = c * tanh(r / c) (only read when SOFTCAP)
     # Meta-parameters
     HAS_SOFTMAX: tl.constexpr,
+    HAS_LOGITS: tl.constexpr,  # saved_ptr holds the capped logits z (and not HAS_SOFTMAX)
+    HAS_BIAS: tl.constexpr,  # recomputed logits get bias[cols]
+    SOFTCAP: tl.constexpr,  # z = softcap * tanh(r / softcap); G gets 1 - tanh^2
     DOT_FP32: tl.constexpr,  # cast operands to fp32 before tl.dot (fp32 inputs, interpreter)
     ROUND_BF16: tl.constexpr,  # round G to bf16 by hand (interpreter truncates)
     BLOCK_M: tl.constexpr,
@@ -109,19 +121,34 @@ def _logits_grad_kernel(
 
     if HAS_SOFTMAX:
         prob = tl.load(
-            softmax_ptr + rows[:, None] * stride_sm + vcols[None, :] * stride_sn,
+            saved_ptr + rows[:, None] * stride_sm + vcols[None, :] * stride_sn,
             mask=tile_ok,
             other=0.0,
         ).to(tl.float32)
     else:
-        acc = logits_tile(
-            x_ptr, w_ptr, rows, vcols, row_ok, col_ok,
-            H, stride_xm, stride_xk, stride_wn, stride_wk,
-            DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+        if HAS_LOGITS:
+            z = tl.load(
+                saved_ptr + rows[:, None] * stride_sm + vcols[None, :] * stride_sn,
+                mask=tile_ok,
+                other=0.0,
+            ).to(tl.float32)
+            if SOFTCAP:
+                t = z * (1.0 / softcap)
+        else:
+            z = logits_tile(
+                x_ptr, w_ptr, b_ptr, rows, vcols, row_ok, col_ok,
+                H, stride_xm, stride_xk, stride_wn, stride_wk,
+                HAS_BIAS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            if SOFTCAP:  # exactly the forward's z (kernels.forward)
+                t = tanh(z * (1.0 / softcap))
+                z = t * softcap
         row_max = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
         row_sum = tl.load(sumexp_ptr + rows, mask=row_ok, other=1.0)
-        prob = tl.exp(acc - row_max[:, None]) / row_sum[:, None]
+        prob = tl.exp(z - row_max[:, None]) / row_sum[:, None]
+    # z-loss: softmax * (1 + 2 z_loss lse); exactly the softmax (times 1.0) without it.
+    pscale = tl.load(pscale_ptr + rows * stride_ps, mask=row_ok, other=1.0)
+    prob = prob * pscale[:, None]
 
     # One-hot of the local target (-1, never a column, where the target is elsewhere).
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
@@ -129,6 +156,8 @@ def _logits_grad_kernel(
 
     upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
     g = (prob - smooth_all - onehot) * upstream[:, None]
+    if SOFTCAP:  # through the cap: dz/dr = 1 - tanh(r / c)^2
+        g = g * (1.0 - t * t)
     if ROUND_BF16:
         g = _round_bf16_rtne(g)
     tl.store(
@@ -138,28 +167,49 @@ def _logits_grad_kernel(
     )
 
 
-def _meta(dtype: torch.dtype, has_softmax: bool, tile: TileConfig) -> dict:
+# Where G's softmax comes from: recomputed logits, a saved softmax, saved capped logits.
+SOURCES = ("recompute", "softmax", "logits")
+
+
+def _meta(dtype: torch.dtype, source: str, has_bias: bool, softcap: bool, tile: TileConfig) -> dict:
     """Constexprs and launch options of one launch (shared with :func:`launch_variants`)."""
     return dict(
-        HAS_SOFTMAX=has_softmax,
+        HAS_SOFTMAX=source == "softmax",
+        HAS_LOGITS=source == "logits",
+        HAS_BIAS=has_bias,
+        SOFTCAP=softcap,
         DOT_FP32=dot_in_fp32(dtype),
         ROUND_BF16=interpreting() and dtype == torch.bfloat16,
         **tile.meta(),
     )
 
 
-def _kernel_name(has_softmax: bool) -> str:
-    return "softmax_grad" if has_softmax else "logits_grad"
+def _kernel_name(source: str) -> str:
+    """The tile table entry: a saved tensor is streamed, recomputed logits are a matmul."""
+    return "logits_grad" if source == "recompute" else "softmax_grad"
+
+
+def _flags(source: str) -> list[tuple[bool, bool]]:
+    """The ``(HAS_BIAS, SOFTCAP)`` a launch from ``source`` can have: the bias only matters
+    to recomputed logits; a saved softmax cannot be softcapped (the operator refuses it:
+    the cap's derivative needs the logits)."""
+    if source == "softmax":
+        return [(False, False)]
+    biases = (False, True) if source == "recompute" else (False,)
+    return [(b, c) for b in biases for c in (False, True)]
 
 
 def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
     """Every ``(kernel, input dtype, constexprs and launch options)`` this launcher can
     choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for has_softmax in (False, True):
-            for tile in tile_configs(_kernel_name(has_softmax), dtype, capability):
-                variants.append((_logits_grad_kernel, dtype, _meta(dtype, has_softmax, tile)))
+    for source in SOURCES:
+        for has_bias, softcap in _flags(source):
+            for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                heavy = has_bias or softcap
+                for tile in tile_configs(_kernel_name(source), dtype, capability, heavy):
+                    meta = _meta(dtype, source, has_bias, softcap, tile)
+                    variants.append((_logits_grad_kernel, dtype, meta))
     return variants
 
 
@@ -188,26 +238,40 @@ def fused_backward(
     need_weight_grad: bool = True,
     grad_input_dtype: torch.dtype | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    logits: torch.Tensor | None = None,
+    prob_scale: torch.Tensor | None = None,
+    need_bias_grad: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
     """The backward over vocabulary chunks; inputs are already validated.
 
     Same interface as ``vocab_parallel.torch_backend.fused_backward``: ``local_target`` is
     int64 ``[BT]`` in ``[0, V)``, -1 where no one-hot is subtracted on this shard;
     ``grad`` is ``[BT]`` or ``[1]`` fp32. Returns ``(grad_input, grad_weight)``, None for
-    a gradient that is not needed.
+    a gradient that is not needed, and ``grad_bias`` third when ``need_bias_grad``.
     """
     bt, h = x.shape
     v = weight.shape[0]
-    has_softmax = softmax is not None
-    tile = tile_config(_kernel_name(has_softmax), x.dtype, device_capability(x.device), bt)
-    meta = _meta(x.dtype, has_softmax, tile)
+    source = "softmax" if softmax is not None else "logits" if logits is not None else "recompute"
+    has_bias = bias is not None and source == "recompute"
+    capability = device_capability(x.device)
+    heavy = has_bias or softcap is not None  # see tile_config
+    tile = tile_config(_kernel_name(source), x.dtype, capability, bt, heavy)
+    meta = _meta(x.dtype, source, has_bias, softcap is not None, tile)
     target = local_target.contiguous()
     dummy = grad  # stands in for pointers the chosen mode never reads
-    smax = softmax if has_softmax else dummy
-    lmax = dummy if has_softmax else logits_max.contiguous()
-    lsum = dummy if has_softmax else sum_exp_logits.contiguous()
-    s_strides = (softmax.stride(0), softmax.stride(1)) if has_softmax else (0, 0)
+    saved = {"softmax": softmax, "logits": logits}.get(source, dummy)
+    lmax = dummy if source == "softmax" else logits_max.contiguous()
+    lsum = dummy if source == "softmax" else sum_exp_logits.contiguous()
+    b = bias.contiguous() if has_bias else x
+    s_strides = (0, 0) if saved is dummy else (saved.stride(0), saved.stride(1))
     stride_grad = grad.stride(0) if grad.shape[0] == bt else 0
+    if prob_scale is None:  # one factor 1.0 for every row
+        prob_scale = torch.ones(1, dtype=torch.float32, device=x.device)
+    prob_scale = prob_scale.to(torch.float32).contiguous()
+    stride_ps = prob_scale.stride(0) if prob_scale.shape[0] == bt else 0
+    cap = 1.0 if softcap is None else float(softcap)
     cv = chunk_columns(bt, v, x.element_size(), chunk_bytes, h)
     g_buf = None
 
@@ -219,11 +283,11 @@ def fused_backward(
         g = g_buf[:, :n]
         grid = (triton.cdiv(bt, tile.BLOCK_M), triton.cdiv(n, tile.BLOCK_N))
         _logits_grad_kernel[grid](
-            x, weight, smax, grad, target, lmax, lsum, g,
+            x, weight, b, saved, grad, target, lmax, lsum, prob_scale, g,
             bt, h, v0, n,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            s_strides[0], s_strides[1], stride_grad, g.stride(0), g.stride(1),
-            on_target, smooth_all,
+            s_strides[0], s_strides[1], stride_grad, stride_ps, g.stride(0), g.stride(1),
+            on_target, smooth_all, cap,
             **meta,
         )  # fmt: skip
         return g
@@ -237,4 +301,5 @@ def fused_backward(
         need_input_grad=need_input_grad,
         need_weight_grad=need_weight_grad,
         grad_input_dtype=grad_input_dtype,
+        bias_grad_dtype=(bias.dtype if bias is not None else x.dtype) if need_bias_grad else None,
     )

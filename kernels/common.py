@@ -14,6 +14,7 @@ device, never at import time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -120,23 +121,46 @@ def _matmul_tile(
     return TileConfig(bm, bn, bk // 2, warps, 2)
 
 
+def _lighter(tile: TileConfig) -> TileConfig:
+    """The backward's tile when its epilogue holds more than the softmax tile (the
+    softcap's ``tanh`` beside it; the bias): half as many columns per program, else ptxas
+    reaches 255 registers and spills (``scripts/aot_compile.py`` shows it)."""
+    return dataclasses.replace(tile, BLOCK_N=max(32, tile.BLOCK_N // 2))
+
+
 def tile_config(
-    kernel: str, dtype: torch.dtype, capability: tuple[int, int] | None, rows: int = 1 << 20
+    kernel: str,
+    dtype: torch.dtype,
+    capability: tuple[int, int] | None,
+    rows: int = 1 << 20,
+    heavy_epilogue: bool = False,
 ) -> TileConfig:
     """The tile of ``kernel`` for inputs of ``dtype`` and ``rows`` rows on a device of
-    compute ``capability`` (None: Triton's interpreter)."""
+    compute ``capability`` (None: Triton's interpreter).
+
+    ``heavy_epilogue``: a backward variant that holds more than the softmax tile (with a
+    softcap: ``tanh`` for the cap's derivative; with a bias: its rows); it gets a lighter
+    tile (:func:`_lighter`). The forward's bias and softcap fit its tiles as they are.
+    """
     if capability is None:
         return INTERPRETER_TILE
     if kernel in STREAM_KERNELS:  # fp32 softmax in, G out: bandwidth only
-        return TileConfig(32, 128, 16, 4, 1)
-    if kernel not in MATMUL_KERNELS:
+        tile = TileConfig(32, 128, 16, 4, 1)
+    elif kernel in MATMUL_KERNELS:
+        tile = _matmul_tile(kernel, dtype, tuple(capability), rows <= SMALL_ROWS)
+    else:
         raise ValueError(f"kernel: unknown kernel {kernel!r}")
-    return _matmul_tile(kernel, dtype, tuple(capability), rows <= SMALL_ROWS)
+    return _lighter(tile) if heavy_epilogue and kernel != "forward_stats" else tile
 
 
-def tile_configs(kernel: str, dtype: torch.dtype, capability: tuple[int, int]) -> list[TileConfig]:
+def tile_configs(
+    kernel: str, dtype: torch.dtype, capability: tuple[int, int], heavy_epilogue: bool = False
+) -> list[TileConfig]:
     """Every tile :func:`tile_config` can choose for ``kernel`` on ``capability``."""
-    configs = [tile_config(kernel, dtype, capability, rows) for rows in (SMALL_ROWS, 1 << 20)]
+    configs = [
+        tile_config(kernel, dtype, capability, rows, heavy_epilogue)
+        for rows in (SMALL_ROWS, 1 << 20)
+    ]
     return list(dict.fromkeys(configs))
 
 
@@ -159,9 +183,26 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
+def tanh(y):
+    """``tanh(y)`` in fp32 from one ``exp`` (libdevice's tanh does not run under the
+    interpreter): ``sign(y) * (1 - e) / (1 + e)`` with ``e = exp(-2|y|)``, which never
+    overflows, is exactly +-1 at +-inf and keeps NaN. Its error is below 1e-7 absolute:
+    a softcapped logit ``c * tanh(r / c)`` is then off by at most ``c * 1e-7``.
+
+    The division is the approximate one (2 ulp; its denominator is in [1, 2]): the
+    IEEE one has a slow path that ptxas compiles to a call, whose saved registers show
+    as spills.
+    """
+    e = tl.exp(-2.0 * tl.abs(y))
+    t = tl.fdiv(1.0 - e, 1.0 + e, approx=True)
+    return tl.where(y < 0.0, -t, t)
+
+
+@triton.jit
 def logits_tile(
     x_ptr,  # [BT, H] input
     w_ptr,  # [V, H] weight rows
+    b_ptr,  # [V] bias of the weight rows, input dtype, contiguous (read when HAS_BIAS)
     rows,  # [BLOCK_M] row indices (int64)
     cols,  # [BLOCK_N] weight-row (vocabulary) indices
     row_ok,  # [BLOCK_M] rows < BT
@@ -171,20 +212,27 @@ def logits_tile(
     stride_xk,
     stride_wn,
     stride_wk,
+    HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``x[rows] @ W[cols].T`` as an fp32 ``[BLOCK_M, BLOCK_N]`` tile, masked at every edge.
+    """``x[rows] @ W[cols].T (+ bias[cols])`` as an fp32 ``[BLOCK_M, BLOCK_N]`` tile, masked
+    at every edge.
 
     Offsets are int64: ``rows * stride_xm`` passes 2^31 for a big input, ``cols *
     stride_wn`` for a shard of more than 2^31 weight elements (V x H), ``k * stride`` for
-    transposed operands.
+    transposed operands. The bias (``[V]``: int32 offsets) is where the accumulator
+    starts, so no second tile is live after the products (ptxas spilled when it was
+    added afterwards).
     """
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols.to(tl.int32), mask=col_ok, other=0.0).to(tl.float32)
+        acc += bias[None, :]
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < H

@@ -1,7 +1,8 @@
 """Triton kernel of the forward statistics of one vocabulary shard.
 
-For every row i of ``logits = x @ W.T`` (this shard's columns only) one online pass over
-vocabulary tiles gives
+For every row i of ``logits = cap(x @ W.T + bias)`` (this shard's columns only; the
+bias is optional, ``cap(r) = softcap * tanh(r / softcap)`` or the identity) one online
+pass over vocabulary tiles gives
 
     local_max[i]  = max_j logits[i, j]
     local_sum[i]  = sum_j exp(logits[i, j] - local_max[i])
@@ -19,6 +20,7 @@ of V). Cross-rank reduction belongs to the caller. Row and column indices are in
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -30,6 +32,7 @@ from vocab_parallel.kernels.common import (
     dot_in_fp32,
     interpreting,
     logits_tile,
+    tanh,
     tile_config,
     tile_configs,
 )
@@ -41,7 +44,8 @@ def _forward_stats_kernel(
     x_ptr,  # [BT, H] input
     w_ptr,  # [V, H] weight rows of this shard
     target_ptr,  # [BT] int64 local target column, -1 where not on this shard
-    logits_ptr,  # [BT, V] fp32 raw logits out (only written when STORE_LOGITS)
+    b_ptr,  # [V] bias of this shard's rows, input dtype (only read when HAS_BIAS)
+    logits_ptr,  # [BT, V] fp32 (capped) logits out (only written when STORE_LOGITS)
     max_ptr,  # [S, BT] fp32 partial max per split
     sum_ptr,  # [S, BT] fp32 partial sum of exp(logit - partial max)
     pred_ptr,  # [S, BT] fp32 partial target logit
@@ -58,9 +62,13 @@ def _forward_stats_kernel(
     stride_wk,
     stride_lm,
     stride_ln,
+    # Scalars
+    softcap,  # c of z = c * tanh(r / c) (only read when SOFTCAP)
     # Meta-parameters
     STORE_LOGITS: tl.constexpr,
     LOGIT_SUM: tl.constexpr,  # compute logit_sum (label smoothing only), else leave it 0
+    HAS_BIAS: tl.constexpr,  # add bias[cols] to the logits
+    SOFTCAP: tl.constexpr,  # cap the logits: softcap * tanh(logits / softcap)
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -77,16 +85,19 @@ def _forward_stats_kernel(
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     pred = tl.zeros((BLOCK_M,), dtype=tl.float32)
     lsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    inv_softcap = 1.0 / softcap  # a multiplication per logit, not a division
     first_tile = pid_s * tiles_per_split
     n_tiles = tl.minimum(tiles_per_split, tl.cdiv(V, BLOCK_N) - first_tile)
     for t in range(0, n_tiles):
         cols = (first_tile + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < V
         acc = logits_tile(
-            x_ptr, w_ptr, rows, cols, row_ok, col_ok,
+            x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok,
             H, stride_xm, stride_xk, stride_wn, stride_wk,
-            DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+            HAS_BIAS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
+        if SOFTCAP:  # (the backward recomputes exactly this: tanh(r * inv) * softcap)
+            acc = tanh(acc * inv_softcap) * softcap
         if STORE_LOGITS:
             tl.store(
                 logits_ptr + rows[:, None] * stride_lm + cols.to(tl.int64)[None, :] * stride_ln,
@@ -125,11 +136,20 @@ def _num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
     return max(1, min(n_tiles, triton.cdiv(programs, n_row_blocks)))
 
 
-def _meta(dtype: torch.dtype, store_logits: bool, logit_sum: bool, tile: TileConfig) -> dict:
+def _meta(
+    dtype: torch.dtype,
+    store_logits: bool,
+    logit_sum: bool,
+    has_bias: bool,
+    softcap: bool,
+    tile: TileConfig,
+) -> dict:
     """Constexprs and launch options of one launch (shared with :func:`launch_variants`)."""
     return dict(
         STORE_LOGITS=store_logits,
         LOGIT_SUM=logit_sum,
+        HAS_BIAS=has_bias,
+        SOFTCAP=softcap,
         DOT_FP32=dot_in_fp32(dtype),
         **tile.meta(),
     )
@@ -139,12 +159,12 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
     """Every ``(kernel, input dtype, constexprs and launch options)`` this launcher can
     choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for tile in tile_configs("forward_stats", dtype, capability):
-            for store in (False, True):
-                for logit_sum in (False, True):
-                    meta = _meta(dtype, store, logit_sum, tile)
-                    variants.append((_forward_stats_kernel, dtype, meta))
+    flags = itertools.product((False, True), repeat=4)  # store, logit sum, bias, softcap
+    for store, logit_sum, has_bias, softcap in flags:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for tile in tile_configs("forward_stats", dtype, capability):
+                meta = _meta(dtype, store, logit_sum, has_bias, softcap, tile)
+                variants.append((_forward_stats_kernel, dtype, meta))
     return variants
 
 
@@ -154,11 +174,15 @@ def forward_stats(
     local_target: torch.Tensor,
     logits_out: torch.Tensor | None = None,
     with_logit_sum: bool = True,
+    *,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Local ``(max, sum_exp, predicted, logit_sum)``, each fp32 ``[BT]``.
+    """Local ``(max, sum_exp, predicted, logit_sum)`` of ``z = cap(x @ W.T + bias)``, each
+    fp32 ``[BT]``.
 
     ``local_target`` is int64 ``[BT]``, -1 where the row's target is not on this shard.
-    ``logits_out``, if given, is an fp32 ``[BT, V]`` buffer that receives the raw logits.
+    ``logits_out``, if given, is an fp32 ``[BT, V]`` buffer that receives ``z``.
     A shard without columns gives max -inf and zero sums. ``with_logit_sum=False`` skips
     the logit sum (only label smoothing needs it) and returns zeros for it.
     """
@@ -181,13 +205,15 @@ def forward_stats(
     part = torch.empty((4, splits, bt), **f32)
     store = logits_out is not None
     logits = logits_out if store else part
+    has_bias = bias is not None
     _forward_stats_kernel[(n_row_blocks, splits)](
-        x, weight, local_target.contiguous(), logits,
+        x, weight, local_target.contiguous(), bias.contiguous() if has_bias else x, logits,
         part[0], part[1], part[2], part[3],
         bt, h, v, tiles_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         logits.stride(0) if store else 0, logits.stride(1) if store else 0,
-        **_meta(x.dtype, store, with_logit_sum, tile),
+        1.0 if softcap is None else float(softcap),
+        **_meta(x.dtype, store, with_logit_sum, has_bias, softcap is not None, tile),
     )  # fmt: skip
     p_max, p_sum, p_pred, p_lsum = part
     row_max = p_max.max(dim=0).values

@@ -41,9 +41,17 @@ from vocab_parallel.kernels import backward, common, forward  # noqa: E402
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Arguments a contiguous launch passes as 1 (Triton turns them into constexprs).
-UNIT_ARGS = {"stride_xk", "stride_wk", "stride_ln", "stride_sn", "stride_gn", "stride_grad"}
-FLOAT_ARGS = {"on_target", "smooth_all"}
-INPUT_PTRS = {"x_ptr", "w_ptr", "g_ptr"}  # in the input dtype; target_ptr is int64
+UNIT_ARGS = {
+    "stride_xk",
+    "stride_wk",
+    "stride_ln",
+    "stride_sn",
+    "stride_gn",
+    "stride_grad",
+    "stride_ps",
+}
+FLOAT_ARGS = {"on_target", "smooth_all", "softcap"}
+INPUT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "g_ptr"}  # in the input dtype; target_ptr is int64
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # How Triton specialises the int arguments of a launch (a value divisible by 16 gets a hint):
 #   aligned: every size and stride (LLM shapes: BT, V_local, H all multiples of 16); the

@@ -2,20 +2,36 @@
 
 Per rank, per token i (SPEC.md section 2), with this rank's rows ``[start, start + V)``:
 
+    raw logits    r_ij = x_i @ W_j + b_j                    (b: the optional bias rows)
+    logits        z_ij = c * tanh(r_ij / c)  with softcap c, else z_ij = r_ij
     local stats   m_i = max_j z_ij,  s_i = sum_j exp(z_ij - m_i),  p_i = z_i[t_i] (if here),
-                  a_i = sum_j z_ij                                     (z = x @ W_local.T)
+                  a_i = sum_j z_ij
     M_i           = allreduce_MAX(m_i)
     S_i, P_i, A_i = allreduce_SUM(s_i * exp(m_i - M_i), p_i, a_i)      (one collective)
     lse_i         = log(S_i) + M_i
-    loss_i        = lse_i - (1 - eps) * P_i - eps * A_i / Vg           (0 for ignored tokens)
+    loss_i        = lse_i - (1 - eps) * P_i - eps * A_i / Vg + w * lse_i^2
+                                                 (0 for ignored tokens; w: z_loss)
 
-which is ``F.cross_entropy(x @ W_full.T, t, label_smoothing=eps, reduction="none")``.
-The backward is the operator of ``fused_linear_cross_entropy_loss_grad`` (the backend
-called directly with the forward's int64 local targets and statistics) followed by a SUM
-all-reduce of ``grad_input`` in fp32; ``grad_weight`` stays local. Only the gradients
-autograd asks for are computed (a frozen weight costs no ``[V, H]`` GEMM; a hidden that
-needs no gradient costs no GEMM and no all-reduce), and without a possible backward
-(``torch.no_grad()``, nothing requiring grad) high-performance mode keeps no softmax.
+which is ``F.cross_entropy(z, t, label_smoothing=eps, reduction="none") + w * lse^2``
+with ``z`` the softcapped ``F.linear(x, W_full, b_full)``. ``return_lse`` also hands out
+``lse`` (0 for ignored tokens; no gradient flows through it). The backward is the
+operator of ``fused_linear_cross_entropy_loss_grad`` (the backend called directly with
+the forward's int64 local targets and statistics): per token,
+
+    G_ij = (softmax(z_i)_j * (1 + 2 w lse_i) - q_ij) * grad_i * (1 - tanh(r_ij / c)^2)
+
+(``q``: the target distribution, the last factor only with softcap), then a SUM
+all-reduce of ``grad_input = G @ W`` in fp32; ``grad_weight = G.T @ x`` and
+``grad_bias = G.sum(0)`` stay local. Only the gradients autograd asks for are computed
+(a frozen weight costs no ``[V, H]`` GEMM; a hidden that needs no gradient costs no GEMM
+and no all-reduce), and without a possible backward (``torch.no_grad()``, nothing
+requiring grad) high-performance mode keeps no ``[BT, V]`` tensor. High-performance
+mode keeps the fp32 softmax, or with softcap the fp32 capped logits ``z`` (the cap's
+derivative needs them; the softmax follows from ``z`` and the statistics).
+
+Autocast is switched off inside (the inputs arrive already cast by the loss, as
+``F.linear`` would cast them): every product follows ``vocab_parallel.precision``.
+Float64 inputs are computed in float64 throughout (loss, statistics and ``G``).
 
 Inputs arrive validated (``vocab_parallel.loss``); this layer knows nothing of tiling:
 the backends do (``vocab_parallel.torch_backend`` and ``vocab_parallel.kernels``).
@@ -23,8 +39,12 @@ the backends do (``vocab_parallel.torch_backend`` and ``vocab_parallel.kernels``
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
+from vocab_parallel import precision
 from vocab_parallel.distributed import all_reduce, world_size
 from vocab_parallel.ops import backend_backward, backend_forward_stats
 
@@ -51,7 +71,7 @@ def _refuse_double_backward(grads: tuple, anchors: tuple) -> tuple:
     if delayed is None:  # no way to defer the error: refuse create_graph right away
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
     inputs = [grads[i].detach() for i in present]
-    anchors = [t for t in anchors if t.requires_grad]
+    anchors = [t for t in anchors if t is not None and t.requires_grad]
     if not anchors:
         inputs = [t.requires_grad_(True) for t in inputs]
     err = delayed(DOUBLE_BACKWARD_ERROR.encode(), len(inputs) + len(anchors))
@@ -63,29 +83,61 @@ def _refuse_double_backward(grads: tuple, anchors: tuple) -> tuple:
     return tuple(grads)
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    """The options of the loss's math, validated: what the Function needs besides tensors."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    mode: str = "memory_saving"
+    softcap: float | None = None
+    z_loss: float = 0.0
+
+
+def no_autocast(device_type: str):
+    """A context with autocast off for ``device_type`` (a no-op where it is off already)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except (RuntimeError, ValueError, TypeError):  # a device type without autocast
+        enabled = False
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
+
+
 class VocabParallelLinearCE(torch.autograd.Function):
-    """Per-token losses ``[BT]`` (fp32) of ``hidden [BT, H]`` against this rank's shard.
+    """Per-token ``(losses, lse)`` ``[BT]`` (fp32; float64 for float64 inputs) of
+    ``hidden [BT, H]`` against this rank's shard (and its ``bias`` rows, or None).
 
     ``track`` says whether a backward can follow (grad mode on and an input requiring
     grad); without one, nothing is saved and high-performance mode keeps no softmax.
+    ``lse`` (0 for ignored tokens) is not differentiable.
     """
 
     @staticmethod
-    def forward(
-        ctx, hidden, weight, target, process_group, layout, ignore_index, eps, mode, backend, track
-    ):
-        ignored = target == ignore_index
+    def forward(ctx, hidden, weight, bias, target, process_group, layout, opts, backend, track):
+        with no_autocast(hidden.device.type):
+            return VocabParallelLinearCE._forward(
+                ctx, hidden, weight, bias, target, process_group, layout, opts, backend, track
+            )
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, bias, target, process_group, layout, opts, backend, track):
+        eps, softcap, z_loss = opts.label_smoothing, opts.softcap, opts.z_loss
+        ignored = target == opts.ignore_index
         local = target - layout.start
         here = (local >= 0) & (local < layout.size) & ~ignored
         local_target = torch.where(here, local, -1)
 
         bt, v = hidden.shape[0], weight.shape[0]
-        keep_softmax = track and mode == "high_performance"
-        softmax = None
-        if keep_softmax:  # receives the raw logits, normalised in place below
-            softmax = torch.empty((bt, v), dtype=torch.float32, device=hidden.device)
+        accum = precision.accumulate_dtype(hidden.dtype)
+        keep_saved = track and opts.mode == "high_performance"
+        saved = None  # receives the (capped) logits; normalised in place below w/o softcap
+        if keep_saved:
+            saved = torch.empty((bt, v), dtype=accum, device=hidden.device)
+        extra = {} if bias is None else {"bias": bias}
+        if softcap is not None:
+            extra["softcap"] = softcap
         m, s, p, a = backend_forward_stats(backend)(
-            hidden, weight, local_target, softmax, with_logit_sum=eps > 0
+            hidden, weight, local_target, saved, with_logit_sum=eps > 0, **extra
         )
 
         logits_max = all_reduce(m.clone(), "MAX", process_group, "logits_max")
@@ -96,42 +148,65 @@ class VocabParallelLinearCE(torch.autograd.Function):
         loss = lse - (1.0 - eps) * predicted
         if eps:
             loss = loss - eps * logit_sum / layout.global_size
+        if z_loss:
+            loss = loss + z_loss * lse.square()
         loss = loss.masked_fill(ignored, 0.0)
+        lse_out = lse.masked_fill(ignored, 0.0)
+        ctx.mark_non_differentiable(lse_out)
+        ctx.set_materialize_grads(False)
 
         if track:
-            if keep_softmax:
-                softmax.sub_(logits_max[:, None]).exp_().div_(sum_exp[:, None])
-                stats = (softmax,)
-            else:
-                stats = (logits_max, sum_exp)
-            ctx.save_for_backward(hidden, weight, local_target, ignored, *stats)
-        ctx.process_group, ctx.eps, ctx.backend = process_group, eps, backend
-        ctx.global_size, ctx.keep_softmax = layout.global_size, keep_softmax
-        return loss
+            softmax = logits = stats_max = stats_sum = None
+            if keep_saved and softcap is None:
+                softmax = saved.sub_(logits_max[:, None]).exp_().div_(sum_exp[:, None])
+            else:  # recompute (memory-saving), or exp of the saved capped logits
+                logits, stats_max, stats_sum = saved, logits_max, sum_exp
+            # z-loss: the softmax's factor in G, 1 + 2 w lse (ignored rows get grad 0).
+            prob_scale = 1.0 + (2.0 * z_loss) * lse if z_loss else None
+            ctx.save_for_backward(
+                hidden,
+                weight,
+                bias,
+                local_target,
+                ignored,
+                softmax,
+                logits,
+                stats_max,
+                stats_sum,
+                prob_scale,
+            )
+        ctx.process_group, ctx.opts, ctx.backend = process_group, opts, backend
+        ctx.global_size = layout.global_size
+        return loss, lse_out
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        need_input, need_weight = ctx.needs_input_grad[:2]
-        with torch.no_grad():
-            grads = VocabParallelLinearCE._gradients(ctx, grad_loss, need_input, need_weight)
-        if torch.is_grad_enabled():  # create_graph=True
-            grads = _refuse_double_backward(grads, ctx.saved_tensors[:2])
-        return (*grads, None, None, None, None, None, None, None, None)
+    def backward(ctx, grad_loss, grad_lse):
+        need = ctx.needs_input_grad[:3]  # hidden, weight, bias
+        grads = (None, None, None)
+        if grad_loss is not None and any(need):
+            hidden = ctx.saved_tensors[0]
+            with torch.no_grad(), no_autocast(hidden.device.type):
+                grads = VocabParallelLinearCE._gradients(ctx, grad_loss, *need)
+            if torch.is_grad_enabled():  # create_graph=True
+                grads = _refuse_double_backward(grads, ctx.saved_tensors[:3])
+        return (*grads, None, None, None, None, None, None)
 
     @staticmethod
-    def _gradients(ctx, grad_loss, need_input: bool, need_weight: bool):
-        """``(grad_hidden, grad_weight)``; a gradient nobody needs costs no GEMM, no
-        memory and (``grad_hidden``) no all-reduce, and is None."""
-        if not (need_input or need_weight):
-            return None, None
-        hidden, weight, local_target, ignored, *stats = ctx.saved_tensors
-        if ctx.keep_softmax:
-            logits_max, sum_exp, softmax = None, None, stats[0]
-        else:
-            (logits_max, sum_exp), softmax = stats, None
-        grad = grad_loss.float().masked_fill(ignored, 0.0)
+    def _gradients(ctx, grad_loss, need_input: bool, need_weight: bool, need_bias: bool):
+        """``(grad_hidden, grad_weight, grad_bias)``; a gradient nobody needs costs no GEMM,
+        no memory and (``grad_hidden``) no all-reduce, and is None."""
+        hidden, weight, bias, local_target, ignored, *stats = ctx.saved_tensors
+        softmax, logits, logits_max, sum_exp, prob_scale = stats
+        opts, accum = ctx.opts, precision.accumulate_dtype(hidden.dtype)
+        grad = grad_loss.to(accum).masked_fill(ignored, 0.0)
         tp = world_size(ctx.process_group) > 1
-        grad_input, grad_weight = backend_backward(ctx.backend)(
+        # The options' arguments only when set: the plain call is the one of the operator.
+        extra = {"bias": bias} if bias is not None else {}
+        extra |= {"softcap": opts.softcap} if opts.softcap is not None else {}
+        extra |= {"logits": logits} if logits is not None else {}
+        extra |= {"prob_scale": prob_scale} if prob_scale is not None else {}
+        extra |= {"need_bias_grad": True} if need_bias else {}
+        grads = backend_backward(ctx.backend)(
             grad,
             hidden,
             weight,
@@ -139,13 +214,16 @@ class VocabParallelLinearCE(torch.autograd.Function):
             logits_max,
             sum_exp,
             softmax,
-            1.0 - ctx.eps,
-            ctx.eps / ctx.global_size,
+            1.0 - opts.label_smoothing,
+            opts.label_smoothing / ctx.global_size,
             need_input_grad=need_input,
             need_weight_grad=need_weight,
-            grad_input_dtype=torch.float32 if tp else None,
+            grad_input_dtype=accum if tp else None,
+            **extra,
         )
+        grad_input, grad_weight, *rest = grads
+        grad_bias = rest[0] if need_bias else None
         if tp and grad_input is not None:
             grad_input = all_reduce(grad_input, "SUM", ctx.process_group, "grad_input")
             grad_input = grad_input.to(hidden.dtype)
-        return grad_input, grad_weight
+        return grad_input, grad_weight, grad_bias

@@ -8,17 +8,28 @@ the ``[vocab_size, hidden_size]`` weight (contiguous, uneven shards allowed). Th
 carries the Megatron/DeepSpeed tensor-parallel attributes (``tensor_model_parallel``,
 ``partition_dim``, ``partition_stride``) so that gradient clipping counts its norm once
 per shard across the group and checkpoints know it is partitioned.
+
+The loss options (``ignore_index``, ``reduction``, ``mode``...) are passed on to
+:func:`vocab_parallel.vocab_parallel_linear_cross_entropy` as they are: every keyword
+option of that function is an option of the head, including ones added to it later.
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from vocab_parallel import loss as _loss
 from vocab_parallel.distributed import world_size
 from vocab_parallel.layout import shard_bounds
-from vocab_parallel.loss import check_options, vocab_parallel_linear_cross_entropy
+from vocab_parallel.loss import vocab_parallel_linear_cross_entropy
+
+# Options of the loss that the head sets itself from its shard (not loss options).
+HEAD_OWNED = frozenset({"process_group", "vocab_start_index", "global_vocab_size"})
 
 
 def mark_tensor_parallel(param: torch.Tensor, partition_dim: int = 0) -> torch.Tensor:
@@ -29,6 +40,80 @@ def mark_tensor_parallel(param: torch.Tensor, partition_dim: int = 0) -> torch.T
     return param
 
 
+def loss_option_defaults() -> dict[str, Any]:
+    """The keyword options of :func:`vocab_parallel_linear_cross_entropy` that a head passes
+    on, with their defaults (read from its signature: new options appear here by
+    themselves)."""
+    params = inspect.signature(vocab_parallel_linear_cross_entropy).parameters
+    return {
+        name: p.default
+        for name, p in params.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in HEAD_OWNED
+    }
+
+
+def resolve_loss_options(options: dict[str, Any], **layout: Any) -> dict[str, Any]:
+    """All loss options: the defaults of the loss, overridden by ``options``; validated.
+
+    Raises ``TypeError`` for a name that is not an option of the loss, and what the loss's
+    own option check raises for a bad value (checked here, at construction, rather than at
+    the first forward). ``layout`` (``vocab_start_index``...) takes part in that check.
+    """
+    defaults = loss_option_defaults()
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        owned = sorted(set(unknown) & HEAD_OWNED)
+        if owned:
+            raise TypeError(f"{owned[0]}: set by the head from its shard, not a loss option")
+        raise TypeError(
+            f"{unknown[0]}: not an option of vocab_parallel_linear_cross_entropy "
+            f"(its options: {', '.join(defaults)})"
+        )
+    resolved = defaults | dict(options)
+    check = getattr(_loss, "check_options", None)
+    if check is not None:
+        values = resolved | layout
+        params = inspect.signature(check).parameters
+        required = [
+            n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in values
+        ]
+        if not required:  # else the loss checks its options at the first call
+            check(**{n: values[n] for n in params if n in values})
+    return resolved
+
+
+def check_num_items_in_batch(num_items_in_batch: Any) -> None:
+    """``num_items_in_batch``: an int >= 1, or a 0-d / one-element real tensor (its value is
+    not read: that would synchronise with the device)."""
+    n = num_items_in_batch
+    if isinstance(n, torch.Tensor):
+        if n.numel() != 1 or n.dim() > 1:
+            raise ValueError(
+                "num_items_in_batch: expected a 0-d or one-element tensor, got shape "
+                f"{tuple(n.shape)}"
+            )
+        if n.dtype == torch.bool or n.dtype.is_complex:
+            raise TypeError(f"num_items_in_batch: expected a real number tensor, got {n.dtype}")
+        return
+    if isinstance(n, bool) or not isinstance(n, int | float):
+        raise TypeError(
+            "num_items_in_batch: expected a positive int or a one-element tensor, got "
+            f"{type(n).__name__}"
+        )
+    if not n > 0:
+        raise ValueError(f"num_items_in_batch: expected a positive number, got {n!r}")
+
+
+def divide_by_num_items(total: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
+    """``total / num_items_in_batch`` (a count of 0 in a tensor gives ``total``, i.e. 0 for an
+    all-ignored batch, not NaN)."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        n = num_items_in_batch.detach().reshape(()).to(device=total.device)
+        n = torch.where(n > 0, n, torch.ones_like(n))
+        return total / n
+    return total / num_items_in_batch
+
+
 class VocabParallelLMHead(nn.Module):
     """This rank's rows of the LM head, computing the cross entropy without full logits.
 
@@ -37,9 +122,15 @@ class VocabParallelLMHead(nn.Module):
         process_group: the tensor-parallel group (``None``: one shard, no collectives).
         vocab_start_index, vocab_end_index: this rank's rows; default contiguous shards in
             rank order, the first ``vocab_size % tp`` ranks one row larger.
-        ignore_index, reduction, label_smoothing, mode, backend: as in
-            :func:`vocab_parallel.vocab_parallel_linear_cross_entropy`.
         dtype, device: of the weight.
+        bias: ``True`` gives the head this rank's ``[rows]`` bias parameter (zeros, tagged
+            tensor-parallel like the weight); a tensor is passed to the loss as it is.
+        **loss_options: any keyword option of
+            :func:`vocab_parallel.vocab_parallel_linear_cross_entropy` except the layout
+            ones the head sets (``process_group``, ``vocab_start_index``,
+            ``global_vocab_size``): ``ignore_index``, ``reduction``, ``label_smoothing``,
+            ``mode``, ``backend``... Omitted ones take the loss's defaults. Kept in
+            ``self.loss_options`` (all of them) and passed on at every call.
     """
 
     def __init__(
@@ -50,18 +141,18 @@ class VocabParallelLMHead(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         vocab_start_index: int | None = None,
         vocab_end_index: int | None = None,
-        ignore_index: int = -100,
-        reduction: str = "mean",
-        label_smoothing: float = 0.0,
-        mode: str = "memory_saving",
-        backend: str = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        **loss_options: Any,
     ) -> None:
         super().__init__()
-        check_options(
-            ignore_index, reduction, label_smoothing, mode, backend, vocab_start_index
-        )  # fail at construction rather than at the first forward
+        # bias=True: the head owns a [rows] bias parameter (a tensor: someone else's, e.g.
+        # an AutoTP layer's, passed to the loss as it is).
+        own_bias = loss_options.get("bias") is True
+        if isinstance(loss_options.get("bias"), bool):
+            loss_options.pop("bias")
+        # fail at construction rather than at the first forward
+        self.loss_options = resolve_loss_options(loss_options, vocab_start_index=vocab_start_index)
         for name, value in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
@@ -79,17 +170,14 @@ class VocabParallelLMHead(nn.Module):
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.vocab_start_index, self.vocab_end_index = vocab_start_index, vocab_end_index
         self.process_group = process_group
-        self.loss_options = dict(
-            ignore_index=ignore_index,
-            reduction=reduction,
-            label_smoothing=label_smoothing,
-            mode=mode,
-            backend=backend,
-        )
         rows = vocab_end_index - vocab_start_index
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype, device=device))
         mark_tensor_parallel(self.weight)
         nn.init.normal_(self.weight, std=hidden_size**-0.5)
+        self.bias = None
+        if own_bias:  # this rank's rows of the bias, sharded like the weight
+            self.bias = nn.Parameter(torch.zeros(rows, dtype=dtype, device=device))
+            mark_tensor_parallel(self.bias)
 
     @classmethod
     def from_full_weight(
@@ -114,7 +202,13 @@ class VocabParallelLMHead(nn.Module):
         **options,
     ) -> VocabParallelLMHead:
         """A head around an existing shard parameter (no copy), e.g. another framework's
-        tensor-parallel LM head; its gradient then lands in that same parameter."""
+        tensor-parallel LM head; its gradient then lands in that same parameter.
+
+        With more than one rank in ``process_group`` the parameter is tagged
+        tensor-parallel (see :func:`mark_tensor_parallel`); a whole head (one rank) is left
+        as it is: it may be replicated over a tensor-parallel group, or tied to an
+        embedding, and must then count once in gradient norms.
+        """
         if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
             raise TypeError("weight: expected a 2-D nn.Parameter [rows, hidden_size]")
         head = cls(
@@ -127,7 +221,7 @@ class VocabParallelLMHead(nn.Module):
             device="meta",  # no throw-away allocation: the parameter is replaced below
             **options,
         )
-        head.weight = mark_tensor_parallel(weight)
+        head.weight = mark_tensor_parallel(weight) if world_size(process_group) > 1 else weight
         return head
 
     @torch.no_grad()
@@ -151,21 +245,61 @@ class VocabParallelLMHead(nn.Module):
         dist.all_reduce(full, group=self.process_group)  # shards are disjoint: SUM = gather
         return full.to(self.weight.dtype)
 
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Loss of ``hidden [..., H]`` against global token ids ``target [...]``."""
-        return vocab_parallel_linear_cross_entropy(
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        target: torch.Tensor,
+        *,
+        reduction: str | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Loss of ``hidden [..., H]`` against global token ids ``target [...]``.
+
+        Args:
+            reduction: this call's reduction (``"none"``, ``"sum"``, ``"mean"``), instead of
+                the head's.
+            num_items_in_batch: the loss is then the SUM over this call's tokens divided by
+                ``num_items_in_batch`` (Hugging Face's convention for gradient accumulation:
+                the non-ignored tokens of all micro-batches of a step, so that their losses
+                add up to the step's mean). An int >= 1 or a 0-d / one-element tensor (a
+                tensor count of 0 gives 0, not NaN). With it, ``reduction`` may only be
+                ``None`` or ``"sum"``.
+        """
+        options = self.loss_options
+        if num_items_in_batch is not None:
+            check_num_items_in_batch(num_items_in_batch)
+            if reduction not in (None, "sum"):
+                raise ValueError(
+                    f"reduction: {reduction!r} cannot be combined with num_items_in_batch "
+                    "(the loss is then the sum divided by num_items_in_batch)"
+                )
+            reduction = "sum"
+        if reduction is not None:
+            options = options | {"reduction": reduction}
+        if self.bias is not None:
+            options = options | {"bias": self.bias}
+        out = vocab_parallel_linear_cross_entropy(
             hidden,
             self.weight,
             target,
             process_group=self.process_group,
             vocab_start_index=self.vocab_start_index,
             global_vocab_size=self.vocab_size,  # layout known: no collective per call
-            **self.loss_options,
+            **options,
         )
+        if num_items_in_batch is None:
+            return out
+        if isinstance(out, tuple):  # e.g. (loss, extras): only the loss is divided
+            return (divide_by_num_items(out[0], num_items_in_batch), *out[1:])
+        return divide_by_num_items(out, num_items_in_batch)
 
     def extra_repr(self) -> str:
+        def show(v):
+            return f"Tensor{list(v.shape)}" if isinstance(v, torch.Tensor) else repr(v)
+
         return (
             f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, "
             f"rows=[{self.vocab_start_index}, {self.vocab_end_index}), "
-            + ", ".join(f"{k}={v!r}" for k, v in self.loss_options.items())
+            + ("bias=True, " if self.bias is not None else "")
+            + ", ".join(f"{k}={show(v)}" for k, v in self.loss_options.items())
         )

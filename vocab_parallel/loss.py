@@ -1,23 +1,43 @@
 """The vocabulary-parallel linear + cross entropy: the public loss and its module.
 
 ``vocab_parallel_linear_cross_entropy`` validates its arguments (every message starts
-with the parameter's name), checks the shard layout against the other ranks and the
-target ids against the vocabulary (``vocab_parallel.layout``, ``vocab_parallel.checks``),
-then runs the autograd Function of ``vocab_parallel.autograd`` on the flattened tokens and
-reduces the per-token losses with ordinary torch ops, so any upstream gradient reaches
-the fused backward exactly.
+with the parameter's name), casts them as ``F.linear`` would under autocast, checks the
+shard layout against the other ranks and the target ids against the vocabulary
+(``vocab_parallel.layout``, ``vocab_parallel.checks``), then runs the autograd Function of
+``vocab_parallel.autograd`` (its docstring has the math, options included) on the
+flattened tokens and reduces the per-token losses with ordinary torch ops, so any
+upstream gradient reaches the fused backward exactly.
+
+The options LLM trainers use, per token ``i`` (``r = hidden @ weight.T + bias``):
+
+    softcap=c       z = c * tanh(r / c) replaces r before the softmax (Gemma 2/3)
+    z_loss=w        loss_i += w * lse_i^2 (non-ignored tokens), lse_i = logsumexp_j z_ij
+    return_lse      returns (loss, lse): lse shaped like target, 0 where ignored, no grad
+    bias            this rank's [V_local] bias rows; its gradient is G.sum(0)
+    autocast        hidden, weight, bias cast to the autocast dtype, as F.linear does
+    float64         computed in float64 throughout (torch backend), e.g. for gradcheck
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from vocab_parallel.autograd import VocabParallelLinearCE
+from vocab_parallel import sequence_parallel as _sp
+from vocab_parallel.autograd import LossOptions, VocabParallelLinearCE
 from vocab_parallel.checks import check_member, check_targets
 from vocab_parallel.layout import resolve_layout
-from vocab_parallel.ops import check_backend_name, check_label_smoothing, resolve_backend
+from vocab_parallel.ops import (
+    check_backend_name,
+    check_flag,
+    check_label_smoothing,
+    check_softcap,
+    check_z_loss,
+    resolve_backend,
+)
 
 MODES = ("memory_saving", "high_performance")
 REDUCTIONS = ("none", "sum", "mean")
@@ -32,8 +52,14 @@ def check_options(
     vocab_start_index,
     global_vocab_size=None,
     check_inputs=True,
+    softcap=None,
+    z_loss=0.0,
+    return_lse=False,
 ):
     """Validate the loss's options (before any tensor is looked at); returns the smoothing."""
+    check_softcap(softcap)
+    check_z_loss(z_loss)
+    check_flag("return_lse", return_lse)
     if not isinstance(check_inputs, bool):
         raise TypeError(f"check_inputs: expected a bool, got {type(check_inputs).__name__}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
@@ -58,6 +84,35 @@ def check_options(
     return check_label_smoothing(label_smoothing)
 
 
+def autocast_inputs(*tensors):
+    """``tensors`` cast as ``F.linear`` casts its inputs under autocast: when autocast is on
+    for their device type, floating tensors on that device (not float64 ones) go to
+    ``torch.get_autocast_dtype``. The casts are ordinary autograd ops, so gradients
+    reach fp32 master weights in their dtype. Anything else is returned as it is."""
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor):
+        return tensors
+    device_type = first.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except (RuntimeError, ValueError, TypeError):  # a device type without autocast
+        return tensors
+    if not enabled:
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        eligible = (
+            isinstance(t, torch.Tensor)
+            and t.is_floating_point()
+            and t.dtype != torch.float64
+            and t.device.type == device_type
+        )
+        return t.to(dtype) if eligible else t
+
+    return tuple(cast(t) for t in tensors)
+
+
 def vocab_parallel_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -69,10 +124,15 @@ def vocab_parallel_linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    return_lse: bool = False,
+    bias: torch.Tensor | None = None,
     mode: str = "memory_saving",
     backend: str = "auto",
     check_inputs: bool = True,
-) -> torch.Tensor:
+    sequence_parallel: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross entropy of ``hidden @ weight.T`` where ``weight`` is this rank's vocabulary shard.
 
     Equals ``F.cross_entropy(F.linear(hidden, W_full), target, ...)`` with ``W_full`` the
@@ -93,16 +153,38 @@ def vocab_parallel_linear_cross_entropy(
         reduction: ``"none"`` (per-token, shape of ``target``), ``"sum"`` or ``"mean"`` (over
             non-ignored tokens; 0 when all are ignored).
         label_smoothing: ``0 <= eps < 1`` over the global vocabulary, as ``F.cross_entropy``.
+        softcap: ``c > 0``: the logits are ``c * tanh(logits / c)`` (after the bias) before
+            the softmax (Gemma 2/3); None: no cap.
+        z_loss: ``w >= 0``: each non-ignored token's loss gets ``+ w * lse^2`` (its
+            log-sum-exp over the global vocabulary).
+        return_lse: also return ``lse`` (shape of ``target``, fp32, 0 where ignored,
+            carrying no gradient): ``(loss, lse)``.
+        bias: ``[V_local]`` this rank's bias rows (dtype of ``weight``): the logits are
+            ``hidden @ weight.T + bias``; it gets its gradient.
         mode: ``"memory_saving"`` (recompute logits in backward) or ``"high_performance"``
-            (keep the fp32 softmax shard ``[tokens, V_local]``, no recompute).
-        backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA).
+            (keep the fp32 softmax shard ``[tokens, V_local]``, no recompute; with
+            ``softcap``, the fp32 capped logits of that shape instead).
+        backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA; torch for
+            float64).
         check_inputs: check that every target id is ``ignore_index`` or in
             ``[0, global vocabulary)``, and (on CPU) the layout and token counts of the
             group at every call. ``False`` skips both for the last microseconds on GPUs
             (the layout is still checked once per layout and token count).
+        sequence_parallel: ``hidden`` and ``target`` are this rank's slice of the group's
+            tokens (uneven slices allowed); the loss is over all of them, ``"none"``
+            gives this rank's tokens (``vocab_parallel.sequence_parallel``).
+
+    ``weight`` may be a DTensor placed ``Shard(0)`` on a 1-D mesh, which then gives the
+    group and layout (``vocab_parallel.dtensor``).
+
+    Under ``torch.autocast`` for the device of ``hidden``, ``hidden``, ``weight`` and
+    ``bias`` are used in the autocast dtype, as ``F.linear`` would use them (gradients
+    reach fp32 master weights in fp32); outside it their dtypes must be equal. float64
+    inputs are computed in float64 (torch backend; the loss is then float64).
 
     Returns:
-        The fp32 loss (a scalar, or per token for ``reduction="none"``).
+        The fp32 loss (a scalar, or per token for ``reduction="none"``); with
+        ``return_lse``, ``(loss, lse)``.
 
     Raises:
         TypeError, ValueError: naming the parameter, on every rank of the group alike for
@@ -117,11 +199,27 @@ def vocab_parallel_linear_cross_entropy(
         vocab_start_index,
         global_vocab_size,
         check_inputs,
+        softcap,
+        z_loss,
+        return_lse,
     )
+    opts = LossOptions(ignore_index, eps, mode, check_softcap(softcap), check_z_loss(z_loss))
+    sequence_parallel = _sp.check_flag(sequence_parallel)
+    if "torch.distributed.tensor" in sys.modules:  # DTensor inputs (vocab_parallel.dtensor)
+        from vocab_parallel.dtensor import unwrap_inputs
+
+        layout_args = (process_group, vocab_start_index, global_vocab_size)
+        hidden, weight, target, bias, *layout_args = unwrap_inputs(
+            hidden, weight, target, bias, *layout_args, sequence_parallel
+        )
+        process_group, vocab_start_index, global_vocab_size = layout_args
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
-    if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"hidden: expected dtype float16, bfloat16 or float32, got {hidden.dtype}")
+    if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(
+            f"hidden: expected dtype float16, bfloat16, float32 or float64, got {hidden.dtype}"
+        )
     if hidden.dim() < 1:
         raise ValueError("hidden: expected a tensor of shape [..., H], got a 0-d tensor")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -144,16 +242,32 @@ def vocab_parallel_linear_cross_entropy(
         raise ValueError(
             f"weight: expected shape [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}"
         )
-    for name, t in (("weight", weight), ("target", target)):
-        if t.device != hidden.device:
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias: expected None or a torch.Tensor, got {type(bias).__name__}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(
+                f"bias: dtype {bias.dtype} differs from weight dtype {weight.dtype}; "
+                "they must be equal"
+            )
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"bias: expected shape [{weight.shape[0]}] (the rows of weight), got "
+                f"{tuple(bias.shape)}"
+            )
+    for name, t in (("weight", weight), ("target", target), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
             raise ValueError(
                 f"{name}: on device {t.device}, but hidden is on {hidden.device}; "
                 "all tensors must be on one device"
             )
-    which = resolve_backend(backend, hidden.device)
+    which = resolve_backend(backend, hidden.device, hidden.dtype, "hidden")
     check_member(process_group)
     t1 = target.reshape(-1).to(torch.int64)
     h2 = hidden.reshape(t1.shape[0], hidden.shape[-1])  # not (-1, H): H may be 0
+    slices = None  # sequence_parallel: all tokens of the group, gathered
+    if sequence_parallel:
+        h2, t1, slices = _sp.gather_tokens(h2, t1, process_group)
     layout = resolve_layout(
         weight.shape[0],
         process_group,
@@ -166,25 +280,29 @@ def vocab_parallel_linear_cross_entropy(
     if check_inputs:
         check_targets(t1, ignore_index, layout.global_size)
     # Whether a backward can follow: else high-performance mode keeps no softmax.
-    track = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    losses = VocabParallelLinearCE.apply(
-        h2, weight, t1, process_group, layout, ignore_index, eps, mode, which, track
+    inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
+    track = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    losses, lse = VocabParallelLinearCE.apply(
+        h2, weight, bias, t1, process_group, layout, opts, which, track
     )
     if reduction == "none":
-        return losses.reshape(target.shape)
-    total = losses.sum()
-    if reduction == "sum":
-        return total
-    count = (t1 != ignore_index).sum()
-    return total / count.clamp(min=1)
+        out = _sp.own_tokens(losses, slices).reshape(target.shape)
+    elif reduction == "sum":
+        out = losses.sum()
+    else:
+        count = (t1 != ignore_index).sum()
+        out = losses.sum() / count.clamp(min=1)
+    if return_lse:
+        return out, _sp.own_tokens(lse, slices).reshape(target.shape)
+    return out
 
 
 class VocabParallelLinearCrossEntropy(nn.Module):
     """``nn.Module`` form of :func:`vocab_parallel_linear_cross_entropy`.
 
-    Holds the options; ``forward(hidden, weight, target)`` takes this rank's weight shard,
-    like ``nn.CrossEntropyLoss`` takes logits. (An LM head that owns its shard is built on
-    top of this.)
+    Holds the options; ``forward(hidden, weight, target, bias=None)`` takes this rank's
+    weight shard (and bias rows), like ``nn.CrossEntropyLoss`` takes logits. (An LM head
+    that owns its shard is built on top of this.)
     """
 
     def __init__(
@@ -196,9 +314,13 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         ignore_index: int = -100,
         reduction: str = "mean",
         label_smoothing: float = 0.0,
+        softcap: float | None = None,
+        z_loss: float = 0.0,
+        return_lse: bool = False,
         mode: str = "memory_saving",
         backend: str = "auto",
         check_inputs: bool = True,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         check_options(
@@ -210,6 +332,9 @@ class VocabParallelLinearCrossEntropy(nn.Module):
             vocab_start_index,
             global_vocab_size,
             check_inputs,
+            softcap,
+            z_loss,
+            return_lse,
         )
         self.options = dict(
             process_group=process_group,
@@ -218,15 +343,25 @@ class VocabParallelLinearCrossEntropy(nn.Module):
             ignore_index=ignore_index,
             reduction=reduction,
             label_smoothing=label_smoothing,
+            softcap=softcap,
+            z_loss=z_loss,
+            return_lse=return_lse,
             mode=mode,
             backend=backend,
             check_inputs=check_inputs,
+            sequence_parallel=_sp.check_flag(sequence_parallel),
         )
 
     def forward(
-        self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
-    ) -> torch.Tensor:
-        return vocab_parallel_linear_cross_entropy(hidden, weight, target, **self.options)
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return vocab_parallel_linear_cross_entropy(
+            hidden, weight, target, bias=bias, **self.options
+        )
 
     def extra_repr(self) -> str:
         shown = {k: v for k, v in self.options.items() if k != "process_group"}

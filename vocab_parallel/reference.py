@@ -7,6 +7,48 @@ on purpose; they are for checking, not for training.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss with every option, in plain torch ops: ``(loss, lse)``.
+
+    ``z = softcap * tanh(F.linear(hidden, weight, bias) / softcap)`` (no cap without
+    ``softcap``); ``loss_i = F.cross_entropy(z_i, target_i) + z_loss * logsumexp(z_i)^2``
+    for non-ignored tokens, 0 for ignored ones; ``"mean"`` over non-ignored tokens (0 when
+    all are ignored, where torch gives NaN). ``lse`` is ``logsumexp(z)`` (0 where ignored),
+    detached. Computed in the tensors' dtype: pass float64 leaves (requiring grad) to
+    read the reference gradients with ``backward``.
+    """
+    z = F.linear(hidden, weight, bias)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z2 = z.reshape(-1, z.shape[-1])
+    t = target.reshape(-1)
+    valid = t != ignore_index
+    per = F.cross_entropy(
+        z2, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
+    )
+    lse = torch.logsumexp(z2, dim=-1)
+    if z_loss:
+        per = per + z_loss * torch.where(valid, lse.square(), 0.0)
+    lse = torch.where(valid, lse, 0.0).detach().reshape(target.shape)
+    if reduction == "none":
+        return per.reshape(target.shape), lse
+    if reduction == "sum":
+        return per.sum(), lse
+    return per.sum() / valid.sum().clamp(min=1), lse
 
 
 def loss_grad_reference(
@@ -20,28 +62,53 @@ def loss_grad_reference(
     sum_exp_logits: torch.Tensor | None = None,
     softmax: torch.Tensor | None = None,
     global_vocab_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    logits: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    lse: torch.Tensor | None = None,
+    return_bias_grad: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The backward operator in float64; ``not_here`` is the unpacked bool mask.
 
     ``G`` is rounded to ``input.dtype`` before the two products, as the contract says, so
-    the only differences left to a backend are its fp32 accumulation order.
+    the only differences left to a backend are its fp32 accumulation order. The options
+    are the operator's (``vocab_parallel.ops``): ``r = x @ W.T + bias``, ``z = c *
+    tanh(r / c)``; the softmax from ``softmax``, the saved ``logits`` (z) or ``z``; times
+    ``1 + 2 z_loss lse``; ``G`` times ``1 - tanh(r / c)^2``; ``grad_bias = G.sum(0)``.
     """
     f64 = torch.float64
     x, w = input.to(f64), weight.to(f64)
     bt, v = x.shape[0], w.shape[0]
     vg = v if global_vocab_size is None else global_vocab_size
+    r = x @ w.T
+    if bias is not None:
+        r = r + bias.to(f64)
+    z = r if softcap is None else softcap * torch.tanh(r / softcap)
     if softmax is not None:
         g = softmax.to(f64).clone()
     else:
-        g = torch.exp(x @ w.T - logits_max.to(f64)[:, None]) / sum_exp_logits.to(f64)[:, None]
+        source = z if logits is None else logits.to(f64)
+        g = torch.exp(source - logits_max.to(f64)[:, None]) / sum_exp_logits.to(f64)[:, None]
+    if z_loss:
+        if lse is None:
+            lse = torch.log(sum_exp_logits.to(f64)) + logits_max.to(f64)
+        g = g * (1.0 + 2.0 * z_loss * lse.to(f64))[:, None]
     if v > 0:
         g -= label_smoothing / vg
         t = masked_target.long().clamp(0, v - 1)
         rows = torch.arange(bt)
         g[rows, t] -= (1.0 - label_smoothing) * (~not_here).to(f64)
     g = g * grad.to(f64).reshape(-1, 1)
+    if softcap is not None:
+        tanh = torch.tanh(r / softcap) if logits is None else logits.to(f64) / softcap
+        g = g * (1.0 - tanh.square())
     g = g.to(input.dtype).to(f64)
-    return (g @ w).to(input.dtype), (g.T @ x).to(input.dtype)
+    out = (g @ w).to(input.dtype), (g.T @ x).to(input.dtype)
+    if return_bias_grad:
+        out += (g.sum(0).to(input.dtype if bias is None else bias.dtype),)
+    return out
 
 
 def global_statistics(input: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:

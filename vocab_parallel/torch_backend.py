@@ -1,22 +1,33 @@
 """Chunked pure-PyTorch backend: the fast path on CPUs, same semantics as the kernels.
 
 It walks the vocabulary in chunks exactly like the Triton launcher, so its extra memory
-is one ``[BT, CV]`` chunk and a ``[BT, H]`` fp32 accumulator, never ``[BT, V]``.
+is one ``[BT, CV]`` chunk (two of half the columns with ``softcap``) and a ``[BT, H]``
+fp32 accumulator, never ``[BT, V]``.
 
 The chunk loop of the backward, :func:`gradient_products`, is shared with the Triton
 launcher (``vocab_parallel.kernels.backward``): the backends differ only in how a chunk
 of ``G`` is produced. Every product follows ``vocab_parallel.precision``: fp32
-accumulation and fp32 results on every device, ``G`` rounded to the input dtype once.
+accumulation and fp32 results on every device (float64 for float64 inputs), ``G``
+rounded to the input dtype once.
 
 The backend interface (both backends, inputs already validated):
 
-    forward_stats(x, weight, local_target, logits_out=None, with_logit_sum=True)
+    forward_stats(x, weight, local_target, logits_out=None, with_logit_sum=True, *,
+                  bias=None, softcap=None)
     fused_backward(grad, x, weight, local_target, logits_max, sum_exp_logits, softmax,
                    on_target, smooth_all, *, need_input_grad, need_weight_grad,
-                   grad_input_dtype)
+                   grad_input_dtype, bias=None, softcap=None, logits=None,
+                   prob_scale=None, need_bias_grad=False)
 
 ``local_target`` is int64 ``[BT]``: the target's column in this shard, -1 where the row's
-target is not on this shard (or is ignored).
+target is not on this shard (or is ignored). The logits are ``z = cap(x @ W.T + bias)``
+with ``cap(r) = softcap * tanh(r / softcap)`` (identity without ``softcap``); the
+statistics, the stored logits (``logits_out``, ``logits``) and the softmax are of ``z``.
+``prob_scale`` (``[BT]``, z-loss: ``1 + 2 * z_loss * lse``) multiplies the softmax
+before the target distribution is subtracted; with ``softcap`` the gradient is then
+multiplied by ``1 - tanh(r / softcap)^2``. ``fused_backward`` returns
+``(grad_input, grad_weight)``, and ``grad_bias = G.sum(0)`` third when
+``need_bias_grad``.
 """
 
 from __future__ import annotations
@@ -52,7 +63,8 @@ def gradient_products(
     need_input_grad: bool = True,
     need_weight_grad: bool = True,
     grad_input_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    bias_grad_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | None, ...]:
     """``grad_input = G @ weight`` and ``grad_weight = G.T @ x`` over vocabulary chunks.
 
     For each chunk of ``cv`` columns (in order), ``make_g(v0, v1, x_op, w_op)`` gives
@@ -63,30 +75,40 @@ def gradient_products(
     in fp32 and ``grad_weight[v0:v1] = G_c.T @ x`` (fp32, rounded once). A fixed chunk
     order and plain GEMMs: bitwise deterministic. A gradient that is not needed costs no
     GEMM and no memory and comes back as None.
+
+    With ``bias_grad_dtype`` (not None) a third result is returned: ``grad_bias =
+    G.sum(0)`` ``[V]``, the same rounded ``G`` summed in fp32, in ``bias_grad_dtype``.
     """
     bt, h = x.shape
     v = weight.shape[0]
     dtype, device = x.dtype, x.device
-    if not (need_input_grad or need_weight_grad):
+    need_bias_grad = bias_grad_dtype is not None
+    if not (need_input_grad or need_weight_grad or need_bias_grad):
         return None, None
     gi_dtype = grad_input_dtype or dtype
-    if bt == 0 or h == 0 or v == 0:
+    # H = 0: empty products, but the bias alone still makes logits (and a bias gradient).
+    if bt == 0 or v == 0 or (h == 0 and not need_bias_grad):
         gi = torch.zeros((bt, h), dtype=gi_dtype, device=device) if need_input_grad else None
         gw = torch.zeros((v, h), dtype=dtype, device=device) if need_weight_grad else None
-        return gi, gw
+        gb = torch.zeros(v, dtype=bias_grad_dtype, device=device) if need_bias_grad else None
+        return (gi, gw, gb) if need_bias_grad else (gi, gw)
 
     operand = precision.operand_dtype(dtype, device.type)
+    accum = precision.accumulate_dtype(dtype)
     x_op = x.to(operand) if (need_weight_grad or g_reads_operands) else None
     grad_weight = torch.empty((v, h), dtype=dtype, device=device) if need_weight_grad else None
-    acc = torch.empty((bt, h), dtype=torch.float32, device=device) if need_input_grad else None
+    acc = torch.empty((bt, h), dtype=accum, device=device) if need_input_grad else None
+    grad_bias = torch.empty(v, dtype=bias_grad_dtype, device=device) if need_bias_grad else None
     # fp32 products that are not written in place: one buffer, used by both products.
-    sizes = [bt * h] if need_input_grad and operand != torch.float32 else []
-    sizes += [cv * h] if need_weight_grad and dtype != torch.float32 else []
-    scratch = torch.empty(max(sizes), dtype=torch.float32, device=device) if sizes else None
+    sizes = [bt * h] if need_input_grad and operand != accum else []
+    sizes += [cv * h] if need_weight_grad and dtype != accum else []
+    scratch = torch.empty(max(sizes), dtype=accum, device=device) if sizes else None
     for v0 in range(0, v, cv):
         v1 = min(v, v0 + cv)
         w_op = weight[v0:v1].to(operand) if (need_input_grad or g_reads_operands) else None
         g = precision.round_to(make_g(v0, v1, x_op, w_op), dtype, operand)
+        if need_bias_grad:  # the rounded G the products see, summed in fp32
+            grad_bias[v0:v1] = g.sum(dim=0, dtype=accum)
         if need_input_grad:
             if v0 == 0:
                 precision.mm_fp32(g, w_op, out=acc)
@@ -95,14 +117,35 @@ def gradient_products(
                 precision.addmm_fp32_(acc, g, w_op, scratch=tmp)
         if need_weight_grad:
             rows = grad_weight[v0:v1]
-            if dtype == torch.float32:
+            if dtype == accum:
                 precision.mm_fp32(g.t(), x_op, out=rows)
             else:
                 tmp = scratch[: (v1 - v0) * h].view(v1 - v0, h)
                 rows.copy_(precision.mm_fp32(g.t(), x_op, out=tmp))
         del g  # free this chunk before the next one is allocated
     grad_input = acc.to(gi_dtype) if need_input_grad else None
-    return grad_input, grad_weight
+    return (grad_input, grad_weight, grad_bias) if need_bias_grad else (grad_input, grad_weight)
+
+
+def cap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)`` in place (``logits`` as it is without a cap)."""
+    if softcap is None:
+        return logits
+    return logits.div_(softcap).tanh_().mul_(softcap)
+
+
+def linear_logits(
+    x_op: torch.Tensor,
+    w_op: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W_c.T + b_c`` of one chunk, accumulated in fp32 (float64 for float64 inputs;
+    into ``out`` when given): the raw logits before any softcap."""
+    logits = precision.mm_fp32(x_op, w_op.t(), out=out)
+    if bias is not None:
+        logits.add_(bias.to(logits.dtype))
+    return logits
 
 
 def fused_backward(
@@ -120,43 +163,73 @@ def fused_backward(
     need_weight_grad: bool = True,
     grad_input_dtype: torch.dtype | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    logits: torch.Tensor | None = None,
+    prob_scale: torch.Tensor | None = None,
+    need_bias_grad: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
     """Backward over vocabulary chunks; inputs already validated.
 
     ``local_target`` is int64 ``[BT]`` in ``[0, V)``, -1 where no one-hot is subtracted on
-    this shard; ``grad`` is ``[BT]`` or ``[1]`` fp32. Returns ``(grad_input, grad_weight)``,
-    None for a gradient that is not needed.
+    this shard; ``grad`` is ``[BT]`` or ``[1]`` fp32. The softmax comes from ``softmax``,
+    else from the saved (capped) ``logits`` and the statistics, else from recomputed
+    logits (``bias``, ``softcap``). Returns ``(grad_input, grad_weight)``, None for a
+    gradient that is not needed, and ``grad_bias`` third when ``need_bias_grad``.
     """
     bt, h = x.shape
     v = weight.shape[0]
-    scale = grad.to(torch.float32).reshape(-1, 1)  # [BT, 1] or [1, 1]
+    accum = precision.accumulate_dtype(x.dtype)
+    scale = grad.to(accum).reshape(-1, 1)  # [BT, 1] or [1, 1]
     # Amount subtracted at the target column: (1 - eps) where the target is on this shard.
-    onehot_val = (local_target >= 0).to(torch.float32) * on_target
+    onehot_val = (local_target >= 0).to(accum) * on_target
     rows = torch.arange(bt, device=x.device)
+    if prob_scale is not None:
+        prob_scale = prob_scale.to(accum)[:, None]
 
     def make_g(v0: int, v1: int, x_op: torch.Tensor, w_op: torch.Tensor | None):
+        tanh = None  # tanh(r / softcap) of the chunk, for the cap's derivative
         if softmax is not None:
-            g = softmax[:, v0:v1].to(torch.float32, copy=True)
+            g = softmax[:, v0:v1].to(accum, copy=True)
         else:
-            g = precision.mm_fp32(x_op, w_op.t())
+            if logits is not None:  # saved capped logits z = softcap * tanh
+                g = logits[:, v0:v1].to(accum, copy=True)
+                if softcap is not None:
+                    tanh = g / softcap
+            else:
+                g = linear_logits(x_op, w_op, None if bias is None else bias[v0:v1])
+                if softcap is not None:
+                    tanh = g.div_(softcap).tanh_()
+                    g = tanh * softcap
             g.sub_(logits_max[:, None]).exp_().div_(sum_exp_logits[:, None])
+        if prob_scale is not None:  # z-loss: softmax * (1 + 2 * z_loss * lse)
+            g.mul_(prob_scale)
         if smooth_all != 0.0:
             g.sub_(smooth_all)
         # One-hot: subtract where the target falls into this chunk.
         in_chunk = (local_target >= v0) & (local_target < v1)
         cols = (local_target - v0).clamp(0, v1 - v0 - 1)
         g[rows, cols] -= torch.where(in_chunk, onehot_val, 0.0)
-        return g.mul_(scale)
+        g.mul_(scale)
+        if tanh is not None:  # through the cap: d z / d r = 1 - tanh^2
+            g.mul_(tanh.square_().neg_().add_(1.0))
+        return g
 
+    # The softmax path never reads the operands, nor does a saved-logits one.
+    recompute = softmax is None and logits is None
+    bias_dtype = (x.dtype if bias is None else bias.dtype) if need_bias_grad else None
+    # A softcap keeps tanh beside each chunk of G: half the columns, the same bytes.
+    cv = chunk_columns(bt, v, chunk_bytes if softcap is None else chunk_bytes // 2, h)
     return gradient_products(
         x,
         weight,
-        chunk_columns(bt, v, chunk_bytes, h),
+        cv,
         make_g,
-        g_reads_operands=softmax is None,
+        g_reads_operands=recompute,
         need_input_grad=need_input_grad,
         need_weight_grad=need_weight_grad,
         grad_input_dtype=grad_input_dtype,
+        bias_grad_dtype=bias_dtype,
     )
 
 
@@ -167,18 +240,22 @@ def forward_stats(
     logits_out: torch.Tensor | None = None,
     with_logit_sum: bool = True,
     chunk_bytes: int = CHUNK_BYTES,
+    *,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Local ``(max, sum_exp, predicted, logit_sum)`` of ``x @ weight.T``, fp32 ``[BT]``.
+    """Local ``(max, sum_exp, predicted, logit_sum)`` of ``z = cap(x @ weight.T + bias)``,
+    each ``[BT]`` fp32 (float64 for float64 inputs).
 
     One online pass over vocabulary chunks (same contract as the Triton launcher
     ``vocab_parallel.kernels.forward.forward_stats``): ``local_target`` is int64, -1 where
-    the target is not on this shard; ``logits_out`` (fp32 ``[BT, V]``) receives the raw
-    logits when given, and then the chunk products are written straight into it.
+    the target is not on this shard; ``logits_out`` (``[BT, V]``, the statistics' dtype)
+    receives ``z`` when given, and then the chunk products are written straight into it.
     ``with_logit_sum=False`` skips the logit sum (only label smoothing needs it): zeros.
     """
     bt = x.shape[0]
     v = weight.shape[0]
-    f32 = dict(dtype=torch.float32, device=x.device)
+    f32 = dict(dtype=precision.accumulate_dtype(x.dtype), device=x.device)
     row_max = torch.full((bt,), float("-inf"), **f32)
     row_sum = torch.zeros(bt, **f32)
     pred = torch.zeros(bt, **f32)
@@ -193,7 +270,8 @@ def forward_stats(
         v1 = min(v, v0 + cv)
         w_op = weight[v0:v1].to(operand)
         out = None if logits_out is None else logits_out[:, v0:v1]
-        logits = precision.mm_fp32(x_op, w_op.t(), out=out)
+        b = None if bias is None else bias[v0:v1]
+        logits = cap_(linear_logits(x_op, w_op, b, out=out), softcap)
         in_chunk = here & (local_target >= v0) & (local_target < v1)
         cols = (local_target - v0).clamp(0, v1 - v0 - 1)
         pred += torch.where(in_chunk, logits.gather(1, cols[:, None]).squeeze(1), 0.0)
@@ -201,7 +279,7 @@ def forward_stats(
             lsum += logits.sum(dim=1)
         new_max = torch.maximum(row_max, logits.max(dim=1).values)
         row_sum.mul_(torch.exp(row_max - new_max))
-        # exp in place unless the raw logits must be kept (high-performance mode).
+        # exp in place unless the logits must be kept (high-performance mode).
         shifted = logits.sub(new_max[:, None]) if out is not None else logits.sub_(new_max[:, None])
         row_sum.add_(shifted.exp_().sum(dim=1))
         row_max = new_max

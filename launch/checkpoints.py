@@ -46,7 +46,7 @@ RESUME_MUST_MATCH = (
 # Keys a resumed run may change, but whose change makes it differ from the uninterrupted run.
 RESUME_NOTE_CHANGES = (
     "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-    "label_smoothing", "mode", "backend",
+    "label_smoothing", "mode", "backend", "sequence_parallel", "tp_style",
 )  # fmt: skip
 # Where each model's checkpoints go, under checkpoints/.
 SUBDIR = {"main": ".", "unsharded": "unsharded"}

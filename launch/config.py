@@ -47,6 +47,18 @@ OPTIONS: dict[str, tuple] = {
     "vocab_size": (8192, int, "rows of the LM head; the BPE tokenizer is trained to this size"),
     "dtype": ("float32", str, "float32 | bfloat16 (parameters and activations)"),
     "mode": ("memory_saving", str, "our loss: memory_saving | high_performance"),
+    "sequence_parallel": (
+        False,
+        bool,
+        "our head: hidden states and targets split along the "
+        "sequence over the TP group (torch engine)",
+    ),
+    "tp_style": (
+        "shards",
+        str,
+        "shards | dtensor: the head as our own shard parameter, or a "
+        "ColwiseParallel DTensor nn.Linear turned into our head (torch engine)",
+    ),
     "backend": ("auto", str, "our loss: auto | triton | torch"),
     "label_smoothing": (0.0, float, "label smoothing of the loss"),
     "lr": (3e-3, float, "peak learning rate"),
@@ -244,6 +256,7 @@ CHOICES = {
     "dtype": tuple(DTYPES),
     "mode": ("memory_saving", "high_performance"),
     "backend": ("auto", "triton", "torch"),
+    "tp_style": ("shards", "dtensor"),
 }
 # The byte-level BPE tokenizer starts from the 256 bytes and adds <|endoftext|>.
 MIN_BPE_VOCAB = 257
@@ -304,6 +317,14 @@ def check_options(o: dict, p: argparse.ArgumentParser) -> None:
                 "or delete its checkpoints and start anew)")  # fmt: skip
     if o["dry_run"] and o["world_size"] and o["world_size"] % o["tp"]:
         p.error(f"tp {o['tp']} does not divide world_size {o['world_size']}")
+    if o["tp_style"] == "dtensor" and o["tp"] == 1:
+        p.error(f"{name('tp_style')}: dtensor needs tp > 1 (a DeviceMesh over the "
+                "tensor-parallel group); use shards with tp 1")  # fmt: skip
+    if o["engine"] == "deepspeed":
+        for key, default in (("sequence_parallel", False), ("tp_style", "shards")):
+            if o[key] != default:
+                p.error(f"{name(key)}: {o[key]!r} needs the torch engine; engine deepspeed "
+                        f"takes only the default ({default!r})")  # fmt: skip
     if not all(isinstance(k, str) for k in o["deepspeed"]):
         p.error("deepspeed: expected a mapping of DeepSpeed config keys (strings)")
 

@@ -15,7 +15,14 @@ need from it:
 
 Every TP rank of a DP replica sees the same batch and, since the loss all-reduces the
 input gradient, computes the same body gradients: the replicated body stays bitwise in
-sync, which :func:`replicas_in_sync` checks.
+sync, which :func:`replicas_in_sync` checks. With sequence parallelism
+(``sequence_parallel``) each TP rank back-propagates only its own tokens through the
+replicated body, so the gradients of the replicated parameters are first summed over the
+TP group (one fp32 bucket, the same sum on every rank), then averaged over DP.
+
+A head made with ``tp_style dtensor`` has a ``Shard(0)`` DTensor weight: it counts as
+tensor-parallel (:func:`is_tensor_parallel`), and the step, the fp32 master weights and
+the checkpoints work on its ``to_local()`` tensor (which shares the DTensor's storage).
 
 ``deepspeed``: ``vocab_parallel.integrations.deepspeed`` around the same model.
 
@@ -41,8 +48,49 @@ from vocab_parallel.distributed import world_size
 from vocab_parallel.parallel import ParallelGroups
 
 
+def _is_dtensor(t: object) -> bool:
+    from vocab_parallel.dtensor import is_dtensor
+
+    return is_dtensor(t)
+
+
 def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """A vocabulary shard: marked ``tensor_model_parallel``, or a DTensor with a Shard
+    placement (a ``ColwiseParallel`` weight)."""
+    if _is_dtensor(param):
+        from torch.distributed.tensor import Shard
+
+        return any(isinstance(pl, Shard) for pl in param.placements)
     return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's plain tensor: ``to_local()`` of a DTensor (same storage, detached from
+    autograd), the tensor itself otherwise."""
+    return t.to_local().detach() if _is_dtensor(t) else t
+
+
+def local_state_dict(model: nn.Module) -> dict:
+    """``model.state_dict()`` with every DTensor as its local tensor (what this rank holds)."""
+    return {k: local(v) for k, v in model.state_dict().items()}
+
+
+def load_local_state_dict(model: nn.Module, state: dict) -> None:
+    """The inverse of :func:`local_state_dict`: local tensors copied into the DTensors."""
+    own = model.state_dict()
+    plain = {k: v for k, v in state.items() if not _is_dtensor(own.get(k))}
+    dtensors = {k: own[k] for k in state if k not in plain}
+    missing, unexpected = model.load_state_dict(plain, strict=False)
+    missing = [k for k in missing if k not in dtensors]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint: missing keys {missing}, unexpected keys {unexpected}")
+    with torch.no_grad():
+        for k, target in dtensors.items():
+            dest = target.to_local()
+            if tuple(dest.shape) != tuple(state[k].shape):
+                raise RuntimeError(f"checkpoint: {k} has shape {tuple(state[k].shape)} here, "
+                                   f"this rank holds {tuple(dest.shape)}")  # fmt: skip
+            dest.copy_(state[k])
 
 
 def tp_grad_norm(
@@ -76,10 +124,14 @@ class TorchEngine:
         eps: float = 1e-8,
         weight_decay: float = 0.1,
         grad_clip: float = 1.0,
+        sequence_parallel: bool = False,
     ) -> None:
         self.model, self.groups, self.grad_clip = model, groups, grad_clip
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.sharded = [is_tensor_parallel(p) for p in self.params]
+        self.sequence_parallel = sequence_parallel
+        self.dparams = [p for p in model.parameters() if p.requires_grad]  # DTensors included
+        self.sharded = [is_tensor_parallel(p) for p in self.dparams]
+        # What the step works on: plain tensors (a DTensor's local shard, same storage).
+        self.params = [local(p) for p in self.dparams]
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         if self.mixed:
             self.master = [p.detach().float().clone() for p in self.params]
@@ -100,8 +152,13 @@ class TorchEngine:
     def step(self, lr: float) -> float:
         """Average, clip and apply the gradients of the last backward; returns the norm
         before clipping. Clears the gradients."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [
+            local(d.grad) if d.grad is not None else torch.zeros_like(p)
+            for d, p in zip(self.dparams, self.params, strict=True)
+        ]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
+        if self.sequence_parallel and self.groups.tp_size > 1:
+            self._sum_replicated_over_tp(flat)
         if self.groups.dp_size > 1:
             dp = self.groups.dp_group
             with collective("all-reduce of the gradients", dp, "the data-parallel group"):
@@ -118,12 +175,29 @@ class TorchEngine:
             group["lr"] = lr
         self.optimizer.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.master, strict=True):
+            for d, p, m in zip(self.dparams, self.params, self.master, strict=True):
                 if p is not m:
                     p.copy_(m)
-                p.grad = None
+                d.grad = None
                 m.grad = None
         return norm.item()
+
+    def _sum_replicated_over_tp(self, flat: torch.Tensor) -> None:
+        """Sequence parallelism: each TP rank's body gradients cover only its own tokens;
+        their sum over the TP group (in place in ``flat``, fp32, one bucket in a fixed
+        order, so the same bits on every rank) is the replicated parameters' gradient."""
+        views = flat.split([p.numel() for p in self.params])
+        replicated = [v for v, s in zip(views, self.sharded, strict=True) if not s]
+        if not replicated:
+            return
+        bucket = torch.cat(replicated)
+        tp = self.groups.tp_group
+        with collective("all-reduce of the replicated gradients (sequence parallel)", tp,
+                        "the tensor-parallel group"):  # fmt: skip
+            dist.all_reduce(bucket, group=tp)
+        for v, summed in zip(replicated, bucket.split([v.numel() for v in replicated]),
+                             strict=True):  # fmt: skip
+            v.copy_(summed)
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
@@ -172,6 +246,7 @@ class TorchRunner:
             betas=(o["beta1"], o["beta2"]),
             weight_decay=o["weight_decay"],
             grad_clip=o["grad_clip"],
+            sequence_parallel=bool(getattr(model, "sequence_parallel", False)),
         )
 
     def train_step(self, x, y, lr: float) -> tuple[torch.Tensor, float]:
@@ -193,7 +268,7 @@ class TorchRunner:
         """Write this model's state into ``folder``: DP rank 0 writes, the others return."""
         if self.groups.dp_rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
-            state = {"model": self.model.state_dict(), "engine": self.engine.state_dict()}
+            state = {"model": local_state_dict(self.model), "engine": self.engine.state_dict()}
             torch.save({name: state}, self._file(folder))
 
     def load(self, folder: Path, name: str) -> None:
@@ -203,7 +278,7 @@ class TorchRunner:
             raise SystemExit(f"--resume: no {path}")
         device = next(self.model.parameters()).device
         state = torch.load(path, map_location=device, weights_only=True)[name]
-        self.model.load_state_dict(state["model"])
+        load_local_state_dict(self.model, state["model"])
         self.engine.load_state_dict(state["engine"])
 
 

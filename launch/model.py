@@ -11,6 +11,11 @@ initialised to the very same weights, for side-by-side checks.
 Initialisation is a function of the seed only, never of the parallel layout: the body
 from ``torch.manual_seed(seed)``, the head weight block by block from seeded generators
 (each rank draws only the blocks of its own rows), so TP 1, 2 or 8 start identical.
+
+Two more layouts of the head (``docs/parallel_layouts.md``): ``sequence_parallel=True``
+gives the head only this TP rank's slice of the tokens, and ``head="dtensor"`` builds the
+head on the DTensor weight of an ``nn.Linear`` parallelised with ``ColwiseParallel``
+(torch-native tensor parallelism), through :func:`vocab_parallel.dtensor.head_from_colwise`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from launch.config import DTYPES
+from vocab_parallel.distributed import world_size
+from vocab_parallel.layout import shard_bounds
 from vocab_parallel.lm_head import VocabParallelLMHead
 
 _HEAD_INIT_BLOCK = 1024  # rows per seeded block of the head's initial weight
@@ -107,7 +114,22 @@ class GPT(nn.Module):
 
     ``forward(idx [B, T], targets [B, T]) -> loss`` (mean over non-ignored tokens).
     ``process_group``: the tensor-parallel group the head's vocabulary is sharded over
-    (``None``: one shard); ``head_options`` go to the head (mode, backend, smoothing...).
+    (``None``: one shard); ``head_options`` go to the head (mode, backend, smoothing,
+    ``sequence_parallel``...).
+
+    ``head``: ``"vocab_parallel"`` (our head owns its shard, a plain parameter),
+    ``"dtensor"`` (an ``nn.Linear(d_model, vocab, bias=False)`` on ``device``,
+    parallelised with ``ColwiseParallel`` over a 1-D DeviceMesh of ``process_group`` and
+    turned into our head by ``head_from_colwise``: its weight is a ``Shard(0)`` DTensor,
+    chunked as ``torch.chunk`` does) or ``"unsharded"`` (the reference).
+
+    ``sequence_parallel`` (with more than one TP rank): the head receives only this TP
+    rank's contiguous slice of the tokens along the sequence (``shard_bounds(T, tp)``,
+    uneven allowed) and returns the loss over all tokens of the group. Unlike
+    Megatron-style sequence parallelism, the body is not split here: it stays replicated
+    and only the head's input is cut, which still exercises the head's gather/reduce
+    path; each TP rank then back-propagates only its own tokens through the body, so the
+    engine sums the body's gradients over the TP group (``launch.engines.TorchEngine``).
     """
 
     def __init__(
@@ -117,10 +139,15 @@ class GPT(nn.Module):
         seed: int = 0,
         head: str = "vocab_parallel",
         process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
         **head_options,
     ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.process_group = process_group
+        self.tp = world_size(process_group)
+        self.tp_rank = dist.get_rank(process_group) if self.tp > 1 else 0
+        self.sequence_parallel = bool(head_options.get("sequence_parallel", False))
         torch.manual_seed(seed)
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.context, cfg.d_model)
@@ -131,13 +158,23 @@ class GPT(nn.Module):
                 cfg.d_model, cfg.vocab_size, process_group=process_group, **head_options
             )
             start = self.head.vocab_start_index
+        elif head == "dtensor":
+            self.head = dtensor_head(cfg, process_group, device, **head_options)
+            # this rank's rows of the very same seeded full init (no_grad inside)
+            weight = self.head.weight
+            local = weight.to_local() if hasattr(weight, "to_local") else weight  # meta: plain
+            init_head_rows(local, self.head.vocab_start_index, seed)
+            return
         elif head == "unsharded":
             keep = ("ignore_index", "label_smoothing")  # the rest concern our kernels only
             options = {k: v for k, v in head_options.items() if k in keep}
             self.head = UnshardedHead(cfg.d_model, cfg.vocab_size, **options)
+            self.sequence_parallel = False  # the reference sees every token
             start = 0
         else:
-            raise ValueError(f"head: expected 'vocab_parallel' or 'unsharded', got {head!r}")
+            raise ValueError(
+                f"head: expected 'vocab_parallel', 'dtensor' or 'unsharded', got {head!r}"
+            )
         init_head_rows(self.head.weight, start, seed)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -145,12 +182,50 @@ class GPT(nn.Module):
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x), targets)
+        h = self.ln_f(x)
+        if self.sequence_parallel and self.tp > 1:
+            lo, hi = shard_bounds(t, self.tp)[self.tp_rank]  # this TP rank's tokens
+            return self.head(h[:, lo:hi], targets[:, lo:hi])
+        return self.head(h, targets)
+
+
+def dtensor_head(
+    cfg: GPTConfig,
+    process_group: dist.ProcessGroup | None,
+    device: torch.device | str,
+    **head_options,
+) -> VocabParallelLMHead:
+    """Our head on a ``ColwiseParallel`` ``nn.Linear``'s DTensor weight (no copy).
+
+    On the meta device (``--dry-run``, where DTensor cannot be built) a plain head with
+    the rows DTensor would give this rank stands in for it, for the plan's numbers.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from vocab_parallel.dtensor import head_from_colwise
+
+    device = torch.device(device)
+    if device.type == "meta":  # --dry-run: no DTensor on meta; the same rows, plain
+        tp = world_size(process_group)
+        rank = dist.get_rank(process_group) if tp > 1 else 0
+        chunk = -(-cfg.vocab_size // tp)  # torch.chunk's rows per rank, the last ones fewer
+        start, end = (min(cfg.vocab_size, r * chunk) for r in (rank, rank + 1))
+        return VocabParallelLMHead(
+            cfg.d_model, cfg.vocab_size, process_group=process_group,
+            vocab_start_index=start, vocab_end_index=end, device=device, **head_options,
+        )  # fmt: skip
+    group = process_group if process_group is not None else dist.group.WORLD
+    mesh = DeviceMesh.from_group(group, device.type)
+    proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device)
+    parallelize_module(proj, mesh, ColwiseParallel())
+    return head_from_colwise(proj, **head_options)
 
 
 def build_model(o: dict, head: str, groups, device: torch.device | str) -> GPT:
     """The launcher's GPT from its options ``o``: ``head`` is ``"vocab_parallel"`` (sharded
-    over ``groups.tp_group``) or ``"unsharded"`` (the reference copy)."""
+    over ``groups.tp_group``; a DTensor ``ColwiseParallel`` head with ``tp_style
+    dtensor``) or ``"unsharded"`` (the reference copy)."""
     cfg = GPTConfig(
         vocab_size=o["vocab_size"],
         context=o["context"],
@@ -161,8 +236,14 @@ def build_model(o: dict, head: str, groups, device: torch.device | str) -> GPT:
     )
     options = {"label_smoothing": o["label_smoothing"]}
     if head == "vocab_parallel":
-        options.update(mode=o["mode"], backend=o["backend"])
-    model = GPT(cfg, seed=o["seed"], head=head, process_group=groups.tp_group, **options)
+        options.update(
+            mode=o["mode"], backend=o["backend"], sequence_parallel=o["sequence_parallel"]
+        )
+        if o["tp_style"] == "dtensor":
+            head = "dtensor"
+    model = GPT(
+        cfg, seed=o["seed"], head=head, process_group=groups.tp_group, device=device, **options
+    )
     # The torch engine trains the model in its dtype (fp32 master weights in the engine);
     # DeepSpeed converts an fp32 model itself when its bf16 mode is on.
     if o["engine"] == "torch":

@@ -178,6 +178,8 @@ def finish(o: dict, run, info: dict, groups, *, world: int, backend: str,
         "backend": backend,
         "device": device.type,
         "engine": o["engine"],
+        "sequence_parallel": o["sequence_parallel"],
+        "tp_style": o["tp_style"],
         "tp_replicas_in_sync": in_sync,
         "data": info,
         "options": o,
@@ -187,6 +189,8 @@ def finish(o: dict, run, info: dict, groups, *, world: int, backend: str,
     title = (
         f"GPT d{o['d_model']} L{o['n_layers']} V{o['vocab_size']}, TP {groups.tp_size} x "
         f"DP {groups.dp_size}, {o['engine']} engine, {o['dtype']}"
+        + (", sequence parallel" if o["sequence_parallel"] else "")
+        + (", DTensor head" if o["tp_style"] == "dtensor" else "")
     )
     if check:
         diffs = [abs(a - b) for a, b in zip(history["loss"], history["ref_loss"], strict=True)]

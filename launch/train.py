@@ -62,7 +62,7 @@ from launch.checkpoints import (  # noqa: E402
 from launch.config import parse_args  # noqa: E402
 from launch.data import load_data  # noqa: E402
 from launch.dist_env import CollectiveError, collective, init_distributed, init_groups  # noqa: E402
-from launch.engines import make_runner, replicas_in_sync  # noqa: E402
+from launch.engines import local, make_runner, replicas_in_sync  # noqa: E402
 from launch.loop import train  # noqa: E402
 from launch.model import build_model  # noqa: E402
 from launch.plan import dry_run  # noqa: E402
@@ -116,13 +116,18 @@ def run(o: dict, backend: str, device: torch.device, wall0: float) -> int:
     runners = {name: make_runner(build_model(o, h, groups, device), groups, o)
                for name, h in heads.items()}  # fmt: skip
     model = runners["main"].module
-    n_head = model.head.weight.numel()
-    n_body = sum(p.numel() for p in model.parameters()) - n_head
+    n_head = local(model.head.weight).numel()  # this rank's shard (DTensor: to_local())
+    n_body = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("head."))
+    layout = ""
+    if o["tp_style"] == "dtensor" and o["engine"] == "torch":
+        layout += ", head weight a ColwiseParallel DTensor (Shard(0))"
+    if o["sequence_parallel"] and o["engine"] == "torch":
+        layout += ", sequence parallel (the head takes this TP rank's tokens)"
     log.info(
         f"model: d_model {o['d_model']}, {o['n_layers']} layers, context {o['context']}, "
         f"vocab {o['vocab_size']:,}; rank 0 holds head rows {model.head.vocab_start_index:,}.."
         f"{model.head.vocab_end_index:,} ({n_head:,} parameters) and the body "
-        f"({n_body:,} parameters, replicated over TP); {o['mode']} loss"
+        f"({n_body:,} parameters, replicated over TP); {o['mode']} loss{layout}"
     )
 
     history = {"step": [], "loss": [], "grad_norm": [], "lr": [], "val": []}

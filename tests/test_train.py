@@ -140,3 +140,60 @@ def test_batches_are_a_function_of_seed_step_and_rank():
     assert int(x.max()) < 9_000  # never the validation tail
     val = data.val_batches(dp_rank=1, dp_size=2, batch_size=2, context=8, max_batches=3)
     assert len(val) == 3 and all(int(v[0].min()) >= 9_000 for v in val)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    # context 31: the two TP ranks' token slices are uneven (16 and 15)
+    [["--sequence-parallel", "--context", "31"], ["--tp-style", "dtensor"]],
+    ids=["sequence_parallel", "dtensor"],
+)
+def test_parallel_layouts_match_unsharded(corpus_and_cache, tmp_path, layout):
+    """TP 2 with the head's other layouts (sequence-parallel tokens; a ColwiseParallel
+    DTensor weight): the same training as the unsharded head, replicas in sync."""
+    run_dir = tmp_path / "run"
+    args = [*common(corpus_and_cache), "--run-dir", str(run_dir), "--steps", "4", "--tp", "2",
+            "--log-every", "2", "--check-against-unsharded", *layout]  # fmt: skip
+    out = torchrun(2, args)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    losses = summary["history"]["loss"]
+    assert len(losses) == 4 and all(np.isfinite(losses))
+    assert (summary["tp"], summary["dp"]) == (2, 1)
+    assert summary["tp_replicas_in_sync"] is True
+    assert summary["max_abs_loss_difference"] < 1e-4, summary["max_abs_loss_difference"]
+    assert abs(summary["final_val_loss"] - summary["final_val_loss_unsharded"]) < 1e-4
+    if layout[0] == "--sequence-parallel":
+        assert summary["sequence_parallel"] is True and "sequence parallel" in out
+    else:
+        assert summary["tp_style"] == "dtensor" and "ColwiseParallel DTensor" in out
+
+
+@pytest.mark.parametrize("flag", [["--sequence-parallel"], ["--tp-style", "dtensor"]])
+def test_deepspeed_refuses_torch_only_layouts(flag):
+    """The sequence-parallel and DTensor heads are the torch engine's: a usage error."""
+    out = subprocess.run(
+        [sys.executable, str(TRAIN), "--engine", "deepspeed", *flag, "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "needs the torch engine" in out.stderr, out.stderr
+
+
+def test_dry_run_plans_the_dtensor_head():
+    """--dry-run (meta device, fake process group) plans a DTensor, sequence-parallel head:
+    rank 0's rows as torch.chunk gives them (V 128,250 on TP 8: 16,032 a rank)."""
+    config = ROOT / "configs" / "train_two_nodes.yaml"
+    out = subprocess.run(
+        [sys.executable, str(TRAIN), "--config", str(config), "--engine", "torch",
+         "--tp-style", "dtensor", "--sequence-parallel", "--vocab-size", "128250", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "head shard of rank 0: rows 0..16,032" in out.stdout, out.stdout

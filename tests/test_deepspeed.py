@@ -339,10 +339,11 @@ def test_head_from_autotp_single_rank_and_errors():
     assert head.weight is layer.weight
     x, y = torch.randn(5, 8), torch.randint(0, 37, (5,))
     _close(head(x, y).item(), F.cross_entropy(x @ layer.weight.T, y, reduction="sum").item(), "")
-    with pytest.raises(ValueError, match="bias"):
-        head_from_autotp(_AutoTPLike(37, 8, bias=True))
-    with pytest.raises(TypeError, match="vocab_start_index"):
-        head_from_autotp(torch.nn.Linear(8, 37, bias=False))
+    biased = _AutoTPLike(37, 8, bias=True)  # the layer's bias goes to the loss's bias option
+    assert head_from_autotp(biased).loss_options["bias"] is biased.bias
+    assert head_from_autotp(torch.nn.Linear(8, 37, bias=False)).process_group is None  # TP 1
+    with pytest.raises(TypeError, match='"vocab_parallel_lm_head": true'):
+        head_from_autotp(torch.nn.Embedding(37, 8))
     bad = _AutoTPLike(37, 8)
     bad.vocab_end_index = 30
     with pytest.raises(ValueError, match="30 rows"):

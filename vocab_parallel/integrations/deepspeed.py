@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vocab_parallel.lm_head import VocabParallelLMHead
+from vocab_parallel.lm_head import VocabParallelLMHead, loss_option_defaults
 from vocab_parallel.parallel import ModelParallelUnit, ParallelGroups
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -197,11 +197,16 @@ def check_heads(model: nn.Module, groups: ParallelGroups) -> None:
             )
 
 
-def head_from_autotp(layer: nn.Module, **loss_options) -> VocabParallelLMHead:
-    """Our loss head around DeepSpeed AutoTP's vocabulary-parallel LM head, sharing its shard.
+AUTOTP_OPTION = '"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head": true}'
 
-    DeepSpeed's AutoTP (``tensor_parallel.vocab_parallel_lm_head``) replaces a model's
-    ``lm_head`` by ``deepspeed.module_inject.layers.VocabParallelLinear``: it holds rows
+
+def head_from_autotp(layer: nn.Module, **loss_options) -> VocabParallelLMHead:
+    """Our loss head around DeepSpeed AutoTP's vocabulary-parallel LM head, sharing its shard;
+    or around a plain ``nn.Linear`` head (no tensor parallelism).
+
+    DeepSpeed's AutoTP (config ``"tensor_parallel": {"autotp_size": N,
+    "vocab_parallel_lm_head": true}``) replaces a model's ``lm_head`` by
+    ``deepspeed.module_inject.layers.VocabParallelLinear``: it holds rows
     ``[vocab_start_index, vocab_end_index)`` of the head over ``mp_group`` (uneven,
     grain-aligned shards: not necessarily our default layout, so the bounds are taken from
     the layer) and returns rank-local logits. The returned head computes the loss from the
@@ -211,25 +216,59 @@ def head_from_autotp(layer: nn.Module, **loss_options) -> VocabParallelLMHead:
 
     Any module with ``weight``, ``vocab_size`` (global), ``vocab_start_index``,
     ``vocab_end_index`` and ``mp_group`` works (duck-typed, so DeepSpeed is not imported).
+    A plain ``nn.Linear`` (TP 1, or a head AutoTP left whole) gives a head over the whole
+    vocabulary without collectives (``process_group=None``), on its weight, which is
+    then left untagged (it counts once in gradient norms, also when tied to an embedding).
+
+    A bias of the layer (this rank's rows) is passed to the loss as its ``bias`` option
+    (the layer's own parameter: its gradient lands there).
 
     Args:
-        layer: the AutoTP head. It must have no bias (our loss has none).
-        **loss_options: ``ignore_index``, ``reduction``, ``label_smoothing``, ``mode``,
-            ``backend``, as in :class:`VocabParallelLMHead`.
+        layer: the AutoTP head or an ``nn.Linear``.
+        **loss_options: any option of :class:`VocabParallelLMHead` (``ignore_index``,
+            ``reduction``, ``label_smoothing``, ``mode``, ``backend``...).
+
+    Raises:
+        TypeError: ``layer`` is neither (e.g. AutoTP's column-parallel ``LinearLayer``,
+            which gathers full logits, when ``vocab_parallel_lm_head`` is off); the message
+            names the DeepSpeed option to turn on.
+        ValueError: a weight that does not match the layer's rows, a weight partitioned by
+            ZeRO stage 3, or a bias where the loss takes none.
     """
-    missing = [
-        a
-        for a in ("weight", "vocab_size", "vocab_start_index", "vocab_end_index", "mp_group")
-        if not hasattr(layer, a)
-    ]
-    if missing:
+    fields = ("vocab_size", "vocab_start_index", "vocab_end_index", "mp_group")
+    missing = [a for a in ("weight", *fields) if not hasattr(layer, a)]
+    if missing and not isinstance(layer, nn.Linear):
+        what = type(layer).__name__
+        if hasattr(layer, "gather_output"):
+            what += " (DeepSpeed AutoTP's column-parallel head, which gathers full logits)"
         raise TypeError(
-            f"layer: {type(layer).__name__} is not a vocabulary-parallel head "
-            f"(missing {', '.join(missing)})"
+            f"layer: {what} is not a vocabulary-parallel LM head (it lacks "
+            f"{', '.join(missing)}): turn on {AUTOTP_OPTION} in the DeepSpeed config so that "
+            "AutoTP shards lm_head by vocabulary (VocabParallelLinear), or pass a plain "
+            "nn.Linear head (no tensor parallelism)"
         )
-    if getattr(layer, "bias", None) is not None:
-        raise ValueError("layer: has a bias; the vocabulary-parallel loss supports none")
-    weight = layer.weight
+    weight, bias = layer.weight, getattr(layer, "bias", None)
+    if bias is not None:  # this rank's bias rows, the layer's parameter: passed to the loss
+        if "bias" not in loss_option_defaults():
+            raise ValueError(
+                f"layer: {type(layer).__name__} has a bias; this version of the "
+                "vocabulary-parallel loss supports none"
+            )
+        if loss_options.get("bias") is not None:
+            raise ValueError("bias: the layer has its own bias; do not pass one")
+        loss_options = loss_options | {"bias": bias}
+    if hasattr(weight, "ds_id"):  # ZeRO-3 keeps only a flat partition in the parameter
+        raise ValueError(
+            "layer.weight: partitioned by DeepSpeed ZeRO stage 3, which the vocabulary-parallel "
+            "head does not support; use ZeRO stage 0, 1 or 2 (with "
+            f"{AUTOTP_OPTION} for tensor parallelism)"
+        )
+    if missing:  # a plain nn.Linear: the whole vocabulary on this rank
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            raise ValueError("layer.weight: expected a 2-D parameter [vocab_size, hidden_size]")
+        return VocabParallelLMHead.from_shard(
+            weight, weight.shape[0], 0, process_group=None, **loss_options
+        )
     start, end = int(layer.vocab_start_index), int(layer.vocab_end_index)
     if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or weight.shape[0] != end - start:
         raise ValueError(

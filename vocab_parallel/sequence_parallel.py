@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from vocab_parallel.distributed import all_reduce, group_ranks, world_size
+from vocab_parallel.distributed import CollectiveError, all_reduce, group_ranks, world_size
 
 # Codes of the dtypes in the size exchange (ranks must agree on the dtype of hidden).
 _DTYPE_CODES = {
@@ -81,14 +81,17 @@ class TokenSlices:
         return len(set(self.sizes)) == 1
 
 
-def _collective(call: Callable[[], object], what: str, group: dist.ProcessGroup | None) -> None:
-    """Run a collective; a failure names ``what`` and the ranks of ``group``."""
+def _collective(
+    call: Callable[[], object], what: str, process_group: dist.ProcessGroup | None
+) -> None:
+    """Run a collective; a failure names ``what`` and the ranks of ``process_group``."""
     try:
         call()
     except RuntimeError as exc:  # DistBackendError and timeouts derive from it
-        raise RuntimeError(
-            f"vocab_parallel: {what} over ranks {group_ranks(group)} of process_group failed "
-            f"(a rank died, stopped or left the group, or the group's timeout ran out): {exc}"
+        raise CollectiveError(
+            f"vocab_parallel: {what} over ranks {group_ranks(process_group)} of process_group "
+            f"failed (a rank died, stopped or left the group, or the group's timeout ran "
+            f"out): {exc}"
         ) from exc
 
 

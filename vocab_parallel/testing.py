@@ -101,10 +101,10 @@ def _bias(case: Case, device: torch.device) -> torch.Tensor | None:
     return torch.randn(case.vocab, generator=g).to(DTYPES[case.dtype]).to(device)
 
 
-def check_case(case: Case, group: dist.ProcessGroup | None, device: torch.device) -> dict:
+def check_case(case: Case, process_group: dist.ProcessGroup | None, device: torch.device) -> dict:
     """Run one case on this rank; returns its errors and verdict (no collectives but the loss's)."""
-    world = 1 if group is None else dist.get_world_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
+    world = 1 if process_group is None else dist.get_world_size(process_group)
+    rank = 0 if process_group is None else dist.get_rank(process_group)
     x, w_full, y, upstream, scalar = _problem(case, device)
     b_full = _bias(case, device)
     shard = rank if case.layout == "contiguous" else world - 1 - rank
@@ -126,7 +126,7 @@ def check_case(case: Case, group: dist.ProcessGroup | None, device: torch.device
         hidden,
         weight,
         y,
-        process_group=group,
+        process_group=process_group,
         vocab_start_index=start,
         global_vocab_size=global_size,
         reduction=case.reduction,
@@ -232,15 +232,15 @@ def _plain_reference(case: Case, x, w_full, y, upstream, scalar_up):
 
 
 def check_sequence_parallel_case(
-    case: Case, group: dist.ProcessGroup | None, device: torch.device, split: str = "uneven"
+    case: Case, process_group: dist.ProcessGroup | None, device: torch.device, split: str = "uneven"
 ) -> dict:
     """:func:`check_case` with ``sequence_parallel=True``: this rank passes its slice of the
     tokens (:func:`token_split`), and its loss (its tokens' for ``"none"``), ``hidden.grad``
     (its slice) and ``weight.grad`` shard are compared with the unsharded float64 reference
     over all tokens."""
     _plain_options_only(case)
-    world = 1 if group is None else dist.get_world_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
+    world = 1 if process_group is None else dist.get_world_size(process_group)
+    rank = 0 if process_group is None else dist.get_rank(process_group)
     x, w_full, y, upstream, scalar = _problem(case, device)
     sizes = token_split(case.tokens, world, split)
     off = sum(sizes[:rank])
@@ -255,7 +255,7 @@ def check_sequence_parallel_case(
         hidden,
         weight,
         y[mine],
-        process_group=group,
+        process_group=process_group,
         vocab_start_index=start,
         global_vocab_size=global_size,
         reduction=case.reduction,

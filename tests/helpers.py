@@ -200,3 +200,47 @@ def first_named_parameter(message: str) -> str | None:
         if m:
             hits.append((m.start(), name))
     return min(hits)[1] if hits else None
+
+
+def triton_interpreter_cases() -> list:
+    """The multi-rank Triton subset (the interpreter is slow: tiny shapes, smoothing on,
+    both modes, reductions none and mean); empty without triton."""
+    if not HAS_TRITON:
+        return []
+    from vocab_parallel.loss import MODES as LOSS_MODES
+    from vocab_parallel.testing import grid
+
+    return grid(
+        tokens=(13,),
+        hidden=(9,),
+        vocab=(37,),
+        backends=("triton",),
+        modes=LOSS_MODES,
+        reductions=("none", "mean"),
+        label_smoothing=(0.1,),
+    )
+
+
+def peak_extra_in_child(code: str, *args: object) -> int:
+    """Run ``python -c code args...`` from the repository root (a fresh process, so its peak
+    RSS is the measurement's alone); its last stdout line is ``{"extra": bytes, "exact":
+    bool}``. Skips the test where the peak cannot be reset (no /proc)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    out = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if not result["exact"]:
+        pytest.skip("no /proc: peak RSS cannot be reset on this platform")
+    return result["extra"]

@@ -6,7 +6,7 @@ against torch's ``loss_parallel()`` on materialised logits."""
 from __future__ import annotations
 
 import torch
-from helpers import HAS_TRITON
+from helpers import triton_interpreter_cases
 from multirank import run_ranks
 
 from vocab_parallel.loss import MODES
@@ -41,18 +41,7 @@ def _jobs(backend: str = "torch", **shape) -> list[tuple[Case, str]]:
 
 def _triton_jobs() -> list:
     """Triton kernels through the interpreter: tiny shapes, a subset."""
-    if not HAS_TRITON:
-        return []
-    cases = grid(
-        tokens=(13,),
-        hidden=(9,),
-        vocab=(37,),
-        backends=("triton",),
-        modes=MODES,
-        reductions=("none", "mean"),
-        label_smoothing=(0.1,),
-    )
-    return [(c, "plain") for c in cases]
+    return [(c, "plain") for c in triton_interpreter_cases()]
 
 
 def test_world_2():

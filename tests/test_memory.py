@@ -8,17 +8,12 @@ gradient (which is V x H by nature), the peak must stay flat, while the naive
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from helpers import peak_extra_in_child
 
 MIB = 1 << 20
 # The child runs in the repository root, where ``python -c`` finds ``benchmarks``.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = textwrap.dedent(
     """
@@ -52,18 +47,7 @@ CHILD = textwrap.dedent(
 
 
 def measure(impl: str, bt: int, h: int, v: int) -> int:
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, impl, str(bt), str(h), str(v)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    if not result["exact"]:
-        pytest.skip("no /proc: peak RSS cannot be reset on this platform")
-    return result["extra"]
+    return peak_extra_in_child(CHILD, impl, bt, h, v)
 
 
 def test_memory_saving_peak_does_not_grow_with_vocab():

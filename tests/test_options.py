@@ -15,22 +15,17 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DEVICE, HAS_TRITON, dtype_id
+from helpers import DEVICE, HAS_TRITON, dtype_id, peak_extra_in_child
 
 import vocab_parallel as vp
 from vocab_parallel.reference import linear_cross_entropy_reference, loss_grad_reference
 from vocab_parallel.testing import Case, check_case
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
 
 
@@ -549,18 +544,7 @@ CHILD = textwrap.dedent(
 
 
 def _measure(bt: int, h: int, v: int) -> int:
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(bt), str(h), str(v)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    if not result["exact"]:
-        pytest.skip("no /proc: peak RSS cannot be reset on this platform")
-    return result["extra"]
+    return peak_extra_in_child(CHILD, bt, h, v)
 
 
 def test_memory_saving_peak_stays_flat_in_v_with_every_option():

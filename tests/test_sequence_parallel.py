@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import HAS_TRITON
+from helpers import triton_interpreter_cases
 from multirank import run_ranks
 
 from vocab_parallel import VocabParallelLinearCrossEntropy, vocab_parallel_linear_cross_entropy
@@ -42,18 +42,7 @@ def test_token_split():
 
 def _triton_jobs() -> list:
     """Triton kernels through the interpreter: tiny shapes, a subset."""
-    if not HAS_TRITON:
-        return []
-    cases = grid(
-        tokens=(13,),
-        hidden=(9,),
-        vocab=(37,),
-        backends=("triton",),
-        modes=MODES,
-        reductions=("none", "mean"),
-        label_smoothing=(0.1,),
-    )
-    return [(c, "uneven") for c in cases]
+    return [(c, "uneven") for c in triton_interpreter_cases()]
 
 
 # torch backend: every mode (as the loss lists them), reduction, smoothing and dtype, on

@@ -253,9 +253,9 @@ def main(argv=None) -> int:
     print(loss_report.legend(rows, repeats, args.ds_chunk if not cuda else "default"))
     print()
     if cuda:
-        print("Targets (issue 3) are defined for CPU fp32 1 rank; figures on CUDA:")
+        print("Targets (issues 3 and 10) are defined for CPUs; figures on CUDA:")
     else:
-        print("Targets (issue 3; CPU, fp32, 1 rank):")
+        print("Targets (issue 3: CPU, fp32, 1 rank; issue 10: grad_in_forward):")
     for line in loss_report.targets(rows):
         print("  " + line)
     info = {"args": vars(args), "device": where, "load_before": load_before}

@@ -3,6 +3,10 @@
 Every one is ``loss(hidden, weight)``: the mean cross entropy of ``hidden @ weight.T``
 against the target, ``IGNORE`` tokens left out, where ``weight`` is this rank's shard.
 
+    ours_gif         vocab_parallel_linear_cross_entropy(mode="grad_in_forward"), what the
+                     default mode="auto" runs for this scalar loss
+    ours_gif_sync    the same with the grad_input all-reduces blocking (2 ranks): the
+                     time the overlap saves
     ours_ms          vocab_parallel_linear_cross_entropy(mode="memory_saving")
     ours_hp          vocab_parallel_linear_cross_entropy(mode="high_performance")
                      (backend "torch" on CPU, "triton" on CUDA; the shard layout stated,
@@ -28,10 +32,15 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100
-OURS = ("ours_ms", "ours_hp", "ours_ms_nocheck")
+OURS = ("ours_gif", "ours_gif_sync", "ours_ms", "ours_hp", "ours_ms_nocheck")
+MODE_OF = {"ours_gif": "grad_in_forward", "ours_gif_sync": "grad_in_forward"}
+MODE_OF |= {"ours_hp": "high_performance", "ours_ms": "memory_saving"}
+MODE_OF |= {"ours_ms_nocheck": "memory_saving"}
 # name: (description, world sizes it runs at, modules it needs)
 IMPLS = {
     "naive": ("F.cross_entropy(F.linear)", (1,), ()),
+    "ours_gif": ("ours grad_in_forward (auto)", (1, 2), ()),
+    "ours_gif_sync": ("ours grad_in_forward, no overlap", (2,), ()),
     "ours_ms": ("ours memory_saving", (1, 2), ()),
     "ours_hp": ("ours high_performance", (1, 2), ()),
     "ours_ms_nocheck": ("ours memory_saving check_inputs=False", (1, 2), ()),
@@ -109,15 +118,15 @@ def make_loss(impl: str, case: dict, y, bounds, group, device):
     if impl == "naive":
         return lambda x, w: F.cross_entropy(F.linear(x, w), y, ignore_index=IGNORE)
     if impl in OURS:
-        from vocab_parallel import vocab_parallel_linear_cross_entropy
+        from vocab_parallel import grad_in_forward, vocab_parallel_linear_cross_entropy
 
-        mode = "high_performance" if impl == "ours_hp" else "memory_saving"
+        grad_in_forward.OVERLAP = impl != "ours_gif_sync"
         options = dict(
             process_group=group if world > 1 else None,
             vocab_start_index=bounds[0],
             global_vocab_size=case["v"],
             ignore_index=IGNORE,
-            mode=mode,
+            mode=MODE_OF[impl],
             backend="triton" if device.type == "cuda" else "torch",
             check_inputs=impl != "ours_ms_nocheck",
         )

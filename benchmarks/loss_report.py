@@ -69,14 +69,63 @@ def _pct(a: float, b: float) -> str:
     return f"{abs(a / b - 1) * 100:.1f}% {'slower' if a > b else 'faster'}"
 
 
+def _get(rows: list[dict], impl: str, world: int = 1, dtype: str = "fp32") -> dict | None:
+    for r in rows:
+        if (r["impl"], r["world"], r["dtype"]) == (impl, world, dtype) and r["status"] == "ok":
+            return r
+    return None
+
+
+def _beyond_grads(r: dict) -> float:
+    """Peak extra memory beyond the gradients of hidden and weight, MiB."""
+    return (r["peak_bytes"] - r["grads_bytes"]) / MIB
+
+
+def gif_targets(rows: list[dict]) -> list[str]:
+    """Issue 10's targets as PASS/FAIL lines: grad_in_forward fp32 <= 0.80x DeepSpeed's
+    time and <= 1.0x naive's, extra memory beyond the gradients <= DeepSpeed's (1 and 2
+    ranks); bf16 <= 1.1x naive bf16; the overlap's effect at 2 ranks."""
+    out = []
+    naive = _get(rows, "naive")
+    for world in (1, 2):
+        gif, ds = _get(rows, "ours_gif", world), _get(rows, "deepspeed", world)
+        if gif and ds:
+            t_ds = gif["time_s"] / ds["time_s"]
+            mem, mem_ds = _beyond_grads(gif), _beyond_grads(ds)
+            ok = t_ds <= 0.80 and mem <= mem_ds + MEM_TIE / MIB
+            out.append(
+                f"{'PASS' if ok else 'FAIL'}: grad_in_forward fp32 {world} rank(s) vs DeepSpeed: "
+                f"time {t_ds:.2f}x (<= 0.80), memory beyond the gradients {mem:.0f} vs "
+                f"{mem_ds:.0f} MiB"
+            )
+        if gif and naive:
+            t_naive = gif["time_s"] / naive["time_s"]
+            out.append(
+                f"{'PASS' if t_naive <= 1.0 else 'FAIL'}: grad_in_forward fp32 {world} rank(s) "
+                f"time {t_naive:.2f}x naive 1 rank (<= 1.0)"
+            )
+    gif_b, naive_b = _get(rows, "ours_gif", 1, "bf16"), _get(rows, "naive", 1, "bf16")
+    if gif_b and naive_b:
+        ratio = gif_b["time_s"] / naive_b["time_s"]
+        out.append(
+            f"{'PASS' if ratio <= 1.1 else 'FAIL'}: grad_in_forward bf16 time {ratio:.2f}x "
+            f"naive bf16 (<= 1.1), loss {gif_b['loss']:.5f} vs naive {naive_b['loss']:.5f}"
+        )
+    for dtype in ("fp32", "bf16"):
+        on, off = _get(rows, "ours_gif", 2, dtype), _get(rows, "ours_gif_sync", 2, dtype)
+        if on and off:
+            out.append(
+                f"overlap ({dtype}, 2 ranks): {on['time_s'] * 1e3:.0f} ms with, "
+                f"{off['time_s'] * 1e3:.0f} ms without ({_pct(on['time_s'], off['time_s'])})"
+            )
+    return out or ["n/a: grad_in_forward targets (ours_gif, naive or DeepSpeed did not run)"]
+
+
 def targets(rows: list[dict]) -> list[str]:
-    """The issue's two targets (fp32, 1 rank) as PASS/FAIL lines."""
+    """Issue 3's two targets (fp32, 1 rank) as PASS/FAIL lines, then issue 10's."""
 
     def get(impl):
-        for r in rows:
-            if (r["impl"], r["world"], r["dtype"]) == (impl, 1, "fp32") and r["status"] == "ok":
-                return r
-        return None
+        return _get(rows, impl)
 
     ms, hp, naive, ds = get("ours_ms"), get("ours_hp"), get("naive"), get("deepspeed")
     out = []
@@ -104,4 +153,4 @@ def targets(rows: list[dict]) -> list[str]:
         )
     else:
         out.append("n/a: high-performance vs naive (one of them did not run)")
-    return out
+    return out + gif_targets(rows)

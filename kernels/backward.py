@@ -243,6 +243,10 @@ def fused_backward(
     logits: torch.Tensor | None = None,
     prob_scale: torch.Tensor | None = None,
     need_bias_grad: bool = False,
+    reuse_logits: bool = False,
+    grad_input_out: torch.Tensor | None = None,
+    grad_weight_acc: torch.Tensor | None = None,
+    grad_bias_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """The backward over vocabulary chunks; inputs are already validated.
 
@@ -250,7 +254,11 @@ def fused_backward(
     int64 ``[BT]`` in ``[0, V)``, -1 where no one-hot is subtracted on this shard;
     ``grad`` is ``[BT]`` or ``[1]`` fp32. Returns ``(grad_input, grad_weight)``, None for
     a gradient that is not needed, and ``grad_bias`` third when ``need_bias_grad``.
+    ``reuse_logits`` changes nothing here (``G`` has its own buffer in the input dtype);
+    ``grad_input_out``, ``grad_weight_acc`` and ``grad_bias_acc`` are the caller's
+    buffers (``vocab_parallel.torch_backend.gradient_products``).
     """
+    del reuse_logits  # the torch backend's option: this G never overwrites the logits
     bt, h = x.shape
     v = weight.shape[0]
     source = "softmax" if softmax is not None else "logits" if logits is not None else "recompute"
@@ -302,4 +310,7 @@ def fused_backward(
         need_weight_grad=need_weight_grad,
         grad_input_dtype=grad_input_dtype,
         bias_grad_dtype=(bias.dtype if bias is not None else x.dtype) if need_bias_grad else None,
+        grad_input_out=grad_input_out,
+        grad_weight_acc=grad_weight_acc,
+        grad_bias_acc=grad_bias_acc,
     )

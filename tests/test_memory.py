@@ -1,4 +1,5 @@
-"""Memory: memory-saving mode's peak extra memory does not grow with the vocabulary.
+"""Memory: the peak extra memory of memory-saving and grad-in-forward modes does not grow
+with the vocabulary.
 
 Each measurement runs in a fresh subprocess (peak RSS on CPU, see benchmarks/memory.py).
 The forward + backward of the loss at V and at 4V, same BT and H: beyond the weight's
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 from helpers import peak_extra_in_child
 
 MIB = 1 << 20
@@ -50,9 +52,10 @@ def measure(impl: str, bt: int, h: int, v: int) -> int:
     return peak_extra_in_child(CHILD, impl, bt, h, v)
 
 
-def test_memory_saving_peak_does_not_grow_with_vocab():
+@pytest.mark.parametrize("mode", ["memory_saving", "grad_in_forward"])
+def test_peak_does_not_grow_with_vocab(mode):
     bt, h, v = 1024, 64, 16384
-    ours = {n: measure("memory_saving", bt, h, n) for n in (v, 4 * v)}
+    ours = {n: measure(mode, bt, h, n) for n in (v, 4 * v)}
     naive = {n: measure("naive", bt, h, n) for n in (v, 4 * v)}
     print(
         f"extra beyond grad_weight, MiB: ours {ours[v] / MIB:.0f} -> {ours[4 * v] / MIB:.0f}, "

@@ -103,6 +103,103 @@ def no_autocast(device_type: str):
     return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
 
 
+def local_targets(
+    target: torch.Tensor, layout, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(local_target, ignored)``: each token's column in this rank's shard (int64, -1
+    where its target is elsewhere or ignored) and whether it is ignored."""
+    ignored = target == ignore_index
+    local = target - layout.start
+    here = (local >= 0) & (local < layout.size) & ~ignored
+    return torch.where(here, local, -1), ignored
+
+
+def stats_options(bias: torch.Tensor | None, opts: LossOptions) -> dict:
+    """The keyword arguments of a backend's ``forward_stats`` for these options."""
+    extra = {"with_logit_sum": opts.label_smoothing > 0}
+    if bias is not None:
+        extra["bias"] = bias
+    if opts.softcap is not None:
+        extra["softcap"] = opts.softcap
+    return extra
+
+
+def reduce_statistics(
+    m: torch.Tensor,
+    s: torch.Tensor,
+    p: torch.Tensor,
+    a: torch.Tensor,
+    process_group,
+    opts: LossOptions,
+    global_size: int,
+) -> tuple[torch.Tensor, ...]:
+    """Per-token ``(loss, lse, logits_max, sum_exp)`` from this rank's statistics
+    ``(max, sum_exp, predicted, logit_sum)``: the MAX and SUM all-reduces and the formula
+    of the module docstring (ignored tokens not yet masked)."""
+    eps = opts.label_smoothing
+    logits_max = all_reduce(m.clone(), "MAX", process_group, "logits_max")
+    sums = torch.stack([s * torch.exp(m - logits_max), p, a])
+    all_reduce(sums, "SUM", process_group, "sum_exp_logits and predicted logits")
+    sum_exp, predicted, logit_sum = sums
+    lse = torch.log(sum_exp) + logits_max
+    loss = lse - (1.0 - eps) * predicted
+    if eps:
+        loss = loss - eps * logit_sum / global_size
+    if opts.z_loss:
+        loss = loss + opts.z_loss * lse.square()
+    return loss, lse, logits_max, sum_exp
+
+
+def fused_gradients(
+    backend: str,
+    grad: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    local_target: torch.Tensor,
+    opts: LossOptions,
+    global_size: int,
+    *,
+    softmax: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
+    logits_max: torch.Tensor | None = None,
+    sum_exp: torch.Tensor | None = None,
+    prob_scale: torch.Tensor | None = None,
+    need_input: bool = True,
+    need_weight: bool = True,
+    need_bias: bool = False,
+    grad_input_dtype: torch.dtype | None = None,
+    **buffers,
+) -> tuple[torch.Tensor | None, ...]:
+    """The backend's fused backward (the operator) with the options of ``opts``: returns
+    ``(grad_input, grad_weight, grad_bias)`` of this rank, before any all-reduce.
+    ``buffers``: the accumulate-into arguments of the backends (``mode="grad_in_forward"``)."""
+    # The options' arguments only when set: the plain call is the one of the operator.
+    extra = {"bias": bias} if bias is not None else {}
+    extra |= {"softcap": opts.softcap} if opts.softcap is not None else {}
+    extra |= {"logits": logits} if logits is not None else {}
+    extra |= {"prob_scale": prob_scale} if prob_scale is not None else {}
+    extra |= {"need_bias_grad": True} if need_bias else {}
+    grads = backend_backward(backend)(
+        grad,
+        hidden,
+        weight,
+        local_target,
+        logits_max,
+        sum_exp,
+        softmax,
+        1.0 - opts.label_smoothing,
+        opts.label_smoothing / global_size,
+        need_input_grad=need_input,
+        need_weight_grad=need_weight,
+        grad_input_dtype=grad_input_dtype,
+        **extra,
+        **buffers,
+    )
+    grad_input, grad_weight, *rest = grads
+    return grad_input, grad_weight, (rest[0] if need_bias else None)
+
+
 class VocabParallelLinearCE(torch.autograd.Function):
     """Per-token ``(losses, lse)`` ``[BT]`` (fp32; float64 for float64 inputs) of
     ``hidden [BT, H]`` against this rank's shard (and its ``bias`` rows, or None).
@@ -121,39 +218,24 @@ class VocabParallelLinearCE(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, hidden, weight, bias, target, process_group, layout, opts, backend, track):
-        eps, softcap, z_loss = opts.label_smoothing, opts.softcap, opts.z_loss
-        ignored = target == opts.ignore_index
-        local = target - layout.start
-        here = (local >= 0) & (local < layout.size) & ~ignored
-        local_target = torch.where(here, local, -1)
-
+        local_target, ignored = local_targets(target, layout, opts.ignore_index)
         bt, v = hidden.shape[0], weight.shape[0]
         accum = precision.accumulate_dtype(hidden.dtype)
         keep_saved = track and opts.mode == "high_performance"
         saved = None  # receives the (capped) logits; normalised in place below w/o softcap
         if keep_saved:
             saved = torch.empty((bt, v), dtype=accum, device=hidden.device)
-        extra = {} if bias is None else {"bias": bias}
-        if softcap is not None:
-            extra["softcap"] = softcap
-        m, s, p, a = backend_forward_stats(backend)(
-            hidden, weight, local_target, saved, with_logit_sum=eps > 0, **extra
+        stats = backend_forward_stats(backend)(
+            hidden, weight, local_target, saved, **stats_options(bias, opts)
         )
-
-        logits_max = all_reduce(m.clone(), "MAX", process_group, "logits_max")
-        sums = torch.stack([s * torch.exp(m - logits_max), p, a])
-        all_reduce(sums, "SUM", process_group, "sum_exp_logits and predicted logits")
-        sum_exp, predicted, logit_sum = sums
-        lse = torch.log(sum_exp) + logits_max
-        loss = lse - (1.0 - eps) * predicted
-        if eps:
-            loss = loss - eps * logit_sum / layout.global_size
-        if z_loss:
-            loss = loss + z_loss * lse.square()
+        loss, lse, logits_max, sum_exp = reduce_statistics(
+            *stats, process_group, opts, layout.global_size
+        )
         loss = loss.masked_fill(ignored, 0.0)
         lse_out = lse.masked_fill(ignored, 0.0)
         ctx.mark_non_differentiable(lse_out)
         ctx.set_materialize_grads(False)
+        softcap, z_loss = opts.softcap, opts.z_loss
 
         if track:
             softmax = logits = stats_max = stats_sum = None
@@ -200,29 +282,25 @@ class VocabParallelLinearCE(torch.autograd.Function):
         opts, accum = ctx.opts, precision.accumulate_dtype(hidden.dtype)
         grad = grad_loss.to(accum).masked_fill(ignored, 0.0)
         tp = world_size(ctx.process_group) > 1
-        # The options' arguments only when set: the plain call is the one of the operator.
-        extra = {"bias": bias} if bias is not None else {}
-        extra |= {"softcap": opts.softcap} if opts.softcap is not None else {}
-        extra |= {"logits": logits} if logits is not None else {}
-        extra |= {"prob_scale": prob_scale} if prob_scale is not None else {}
-        extra |= {"need_bias_grad": True} if need_bias else {}
-        grads = backend_backward(ctx.backend)(
+        grad_input, grad_weight, grad_bias = fused_gradients(
+            ctx.backend,
             grad,
             hidden,
             weight,
+            bias,
             local_target,
-            logits_max,
-            sum_exp,
-            softmax,
-            1.0 - opts.label_smoothing,
-            opts.label_smoothing / ctx.global_size,
-            need_input_grad=need_input,
-            need_weight_grad=need_weight,
+            opts,
+            ctx.global_size,
+            softmax=softmax,
+            logits=logits,
+            logits_max=logits_max,
+            sum_exp=sum_exp,
+            prob_scale=prob_scale,
+            need_input=need_input,
+            need_weight=need_weight,
+            need_bias=need_bias,
             grad_input_dtype=accum if tp else None,
-            **extra,
         )
-        grad_input, grad_weight, *rest = grads
-        grad_bias = rest[0] if need_bias else None
         if tp and grad_input is not None:
             grad_input = all_reduce(grad_input, "SUM", ctx.process_group, "grad_input")
             grad_input = grad_input.to(hidden.dtype)

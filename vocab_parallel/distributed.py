@@ -12,6 +12,8 @@ collective of the loss it was and over which ranks, instead of the backend's bar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -32,6 +34,14 @@ def group_ranks(process_group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(process_group)
 
 
+def _failed(op: str, what: str, process_group, exc: Exception) -> CollectiveError:
+    return CollectiveError(
+        f"vocab_parallel: {op} all-reduce of {what} over ranks "
+        f"{group_ranks(process_group)} of process_group failed (a rank died, stopped "
+        f"or left the group, or the group's timeout ran out): {exc}"
+    )
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: str,
@@ -44,9 +54,35 @@ def all_reduce(
         try:
             dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=process_group)
         except RuntimeError as exc:  # DistBackendError and timeouts derive from it
-            raise CollectiveError(
-                f"vocab_parallel: {op} all-reduce of {what} over ranks "
-                f"{group_ranks(process_group)} of process_group failed (a rank died, stopped "
-                f"or left the group, or the group's timeout ran out): {exc}"
-            ) from exc
+            raise _failed(op, what, process_group, exc) from exc
     return tensor
+
+
+def all_reduce_async(
+    tensor: torch.Tensor,
+    op: str,
+    process_group: dist.ProcessGroup | None,
+    what: str = "tensor",
+) -> Callable[[], torch.Tensor]:
+    """Start the in-place all-reduce of :func:`all_reduce` and return ``wait()``, which
+    blocks until it is done (on CUDA: makes the current stream wait) and returns
+    ``tensor``. The reduction is the same collective as the blocking one, so its result is
+    the same bit for bit; only the caller's work can run meanwhile. Errors raise
+    :class:`CollectiveError`, from the start or from ``wait()``."""
+    if world_size(process_group) == 1:
+        return lambda: tensor
+    try:
+        work = dist.all_reduce(
+            tensor, op=getattr(dist.ReduceOp, op), group=process_group, async_op=True
+        )
+    except RuntimeError as exc:
+        raise _failed(op, what, process_group, exc) from exc
+
+    def wait() -> torch.Tensor:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise _failed(op, what, process_group, exc) from exc
+        return tensor
+
+    return wait

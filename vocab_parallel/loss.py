@@ -21,6 +21,7 @@ The options LLM trainers use, per token ``i`` (``r = hidden @ weight.T + bias``)
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from torch import nn
 from vocab_parallel import sequence_parallel as _sp
 from vocab_parallel.autograd import LossOptions, VocabParallelLinearCE
 from vocab_parallel.checks import check_member, check_targets
+from vocab_parallel.grad_in_forward import GradInForwardLinearCE
 from vocab_parallel.layout import resolve_layout
 from vocab_parallel.ops import (
     check_backend_name,
@@ -39,7 +41,7 @@ from vocab_parallel.ops import (
     resolve_backend,
 )
 
-MODES = ("memory_saving", "high_performance")
+MODES = ("auto", "grad_in_forward", "memory_saving", "high_performance")
 REDUCTIONS = ("none", "sum", "mean")
 
 
@@ -128,7 +130,7 @@ def vocab_parallel_linear_cross_entropy(
     z_loss: float = 0.0,
     return_lse: bool = False,
     bias: torch.Tensor | None = None,
-    mode: str = "memory_saving",
+    mode: str = "auto",
     backend: str = "auto",
     check_inputs: bool = True,
     sequence_parallel: bool = False,
@@ -161,9 +163,16 @@ def vocab_parallel_linear_cross_entropy(
             carrying no gradient): ``(loss, lse)``.
         bias: ``[V_local]`` this rank's bias rows (dtype of ``weight``): the logits are
             ``hidden @ weight.T + bias``; it gets its gradient.
-        mode: ``"memory_saving"`` (recompute logits in backward) or ``"high_performance"``
-            (keep the fp32 softmax shard ``[tokens, V_local]``, no recompute; with
-            ``softcap``, the fp32 capped logits of that shape instead).
+        mode: ``"auto"`` (default): ``"grad_in_forward"`` when it applies, else
+            ``"memory_saving"``. ``"grad_in_forward"``: for a scalar loss (``"sum"``,
+            ``"mean"``) that will be differentiated, the forward computes the gradients
+            token chunk by token chunk (three GEMMs, no recompute); the backward scales
+            them by the upstream scalar (``vocab_parallel.grad_in_forward``); elsewhere it
+            runs as ``"memory_saving"`` (with a warning for ``reduction="none"``).
+            ``"memory_saving"``: keep per-token statistics, recompute the logits in the
+            backward (four GEMMs). ``"high_performance"``: keep the fp32 softmax shard
+            ``[tokens, V_local]``, no recompute (with ``softcap``, the fp32 capped logits
+            of that shape instead).
         backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA; torch for
             float64).
         check_inputs: check that every target id is ``ignore_index`` or in
@@ -203,7 +212,6 @@ def vocab_parallel_linear_cross_entropy(
         z_loss,
         return_lse,
     )
-    opts = LossOptions(ignore_index, eps, mode, check_softcap(softcap), check_z_loss(z_loss))
     sequence_parallel = _sp.check_flag(sequence_parallel)
     if "torch.distributed.tensor" in sys.modules:  # DTensor inputs (vocab_parallel.dtensor)
         from vocab_parallel.dtensor import unwrap_inputs
@@ -280,8 +288,18 @@ def vocab_parallel_linear_cross_entropy(
     if check_inputs:
         check_targets(t1, ignore_index, layout.global_size)
     # Whether a backward can follow: else high-performance mode keeps no softmax.
-    inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
+    inputs = (h2, weight) if bias is None else (h2, weight, bias)
     track = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    mode = resolve_mode(mode, reduction, track)
+    opts = LossOptions(ignore_index, eps, mode, check_softcap(softcap), check_z_loss(z_loss))
+    if mode == "grad_in_forward":
+        needs = tuple(t is not None and t.requires_grad for t in (h2, weight, bias))
+        out, lse = GradInForwardLinearCE.apply(
+            h2, weight, bias, t1, process_group, layout, opts, which, reduction, needs
+        )
+        if return_lse:
+            return out, _sp.own_tokens(lse, slices).reshape(target.shape)
+        return out
     losses, lse = VocabParallelLinearCE.apply(
         h2, weight, bias, t1, process_group, layout, opts, which, track
     )
@@ -295,6 +313,25 @@ def vocab_parallel_linear_cross_entropy(
     if return_lse:
         return out, _sp.own_tokens(lse, slices).reshape(target.shape)
     return out
+
+
+def resolve_mode(mode: str, reduction: str, track: bool) -> str:
+    """The mode that runs: ``"auto"`` and ``"grad_in_forward"`` become
+    ``"grad_in_forward"`` for a scalar loss that will be differentiated, else
+    ``"memory_saving"`` (per-token upstream gradients are not known in the forward; without
+    a backward there is nothing to compute early). Asking for ``"grad_in_forward"`` with
+    ``reduction="none"`` warns."""
+    if mode not in ("auto", "grad_in_forward"):
+        return mode
+    if reduction != "none" and track:
+        return "grad_in_forward"
+    if mode == "grad_in_forward" and reduction == "none":
+        warnings.warn(
+            'mode="grad_in_forward" needs reduction "sum" or "mean" (per-token upstream '
+            'gradients are only known in the backward): running mode="memory_saving"',
+            stacklevel=3,
+        )
+    return "memory_saving"
 
 
 class VocabParallelLinearCrossEntropy(nn.Module):
@@ -317,7 +354,7 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         softcap: float | None = None,
         z_loss: float = 0.0,
         return_lse: bool = False,
-        mode: str = "memory_saving",
+        mode: str = "auto",
         backend: str = "auto",
         check_inputs: bool = True,
         sequence_parallel: bool = False,

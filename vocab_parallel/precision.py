@@ -1,29 +1,33 @@
 """The precision policy of every matrix product in the library (SPEC.md section 5).
 
-On every device: logits and both gradient products accumulate in fp32 and come out in
-fp32; the only roundings are ``G``'s (to the input dtype, once, before the gradient
-products) and the final outputs'. How a device gets there is decided in one place,
-:func:`operand_dtype`:
+On every device: logits and both gradient products accumulate in fp32, and ``G`` is
+rounded to the input dtype once, before the gradient products. How a device gets there
+is decided in one place, :func:`operand_dtype`:
 
 - fp32 inputs: plain fp32 GEMMs.
 - half inputs on CUDA: the operands stay in the input dtype and cuBLAS writes fp32
   (``torch.mm(a, b, out_dtype=torch.float32)``): tensor cores, fp32 accumulation, no
   rounding of the result to half (and no reduced-precision split-K reduction).
-- half inputs elsewhere (CPUs): the operands are upcast to fp32, one chunk at a time.
-  Most CPUs have no bf16/fp16 matrix units; half GEMMs there are hundreds of times
-  slower, and products of half values are exact in fp32, so the result is the same.
+- half inputs on a CPU with matrix units for that dtype (AVX512-BF16 or AMX for bf16;
+  AVX512-FP16 or AMX-FP16 for fp16, as ``torch.cpu`` and oneDNN report them; decided once
+  per process, never by timing, :func:`cpu_half_gemms`): the operands stay in the input
+  dtype, oneDNN accumulates in fp32 and rounds each product to the input dtype (torch has
+  no CPU GEMM with fp32 output). bf16 GEMMs run 2-3x faster than fp32 there; the logits
+  are then rounded to bf16 as ``F.linear`` rounds them, so the loss is within bf16
+  tolerance of float64 rather than fp32 tolerance. ``VOCAB_PARALLEL_CPU_HALF_GEMMS=0``
+  (or :func:`set_cpu_half_gemms`) keeps the exact fp32 upcast below.
+- half inputs on other CPUs: the operands are upcast to fp32, one chunk at a time. Half
+  GEMMs there are hundreds of times slower, and products of half values are exact in
+  fp32, so the result is that of an fp32-output GEMM.
 - float64 inputs (the torch backend only; for checks such as ``gradcheck``): everything
   is float64 instead of fp32, :func:`accumulate_dtype`: products, statistics, ``G`` and
   the loss.
-
-Hook: a CPU with bf16/fp16 matrix units (AMX, SME...) would answer ``dtype`` in
-:func:`operand_dtype` for it; :func:`mm_fp32` then needs a CPU GEMM with fp32 output
-(it falls back to an exact fp32 upcast while torch has none).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -41,7 +45,58 @@ def operand_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
     ``dtype`` on a device of type ``device_type`` ("cuda", "cpu", ...): the policy."""
     if dtype in _HALF and device_type == "cuda":
         return dtype  # cuBLAS: half operands, fp32 accumulation and output
+    if dtype in _HALF and device_type == "cpu" and cpu_half_gemms(dtype):
+        return dtype  # oneDNN on bf16/fp16 matrix units: fp32 accumulation, half output
     return accumulate_dtype(dtype)
+
+
+# Set by set_cpu_half_gemms (None: decide from the environment and the CPU).
+_CPU_HALF_OVERRIDE: bool | None = None
+CPU_HALF_ENV = "VOCAB_PARALLEL_CPU_HALF_GEMMS"
+
+
+def set_cpu_half_gemms(enabled: bool | None) -> None:
+    """Force half-precision CPU GEMMs on (``True``: also on CPUs without matrix units,
+    where they are very slow; for tests), off (``False``: the exact fp32 upcast), or
+    back to the CPU's own answer (``None``)."""
+    global _CPU_HALF_OVERRIDE
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool or None, got {type(enabled).__name__}")
+    _CPU_HALF_OVERRIDE = enabled
+
+
+def cpu_half_gemms(dtype: torch.dtype) -> bool:
+    """Whether products of ``dtype`` (bf16/fp16) operands run natively on this CPU: the
+    override, else ``VOCAB_PARALLEL_CPU_HALF_GEMMS`` ("0"/"1"), else what the CPU has."""
+    if _CPU_HALF_OVERRIDE is not None:
+        return _CPU_HALF_OVERRIDE
+    env = os.environ.get(CPU_HALF_ENV, "").strip().lower()
+    if env in ("0", "false", "no", "off"):
+        return False
+    if env in ("1", "true", "yes", "on"):
+        return True
+    return cpu_has_half_units(dtype)
+
+
+@functools.cache
+def cpu_has_half_units(dtype: torch.dtype) -> bool:
+    """Whether this CPU has matrix units for ``dtype`` that oneDNN uses, from what torch
+    reports (``torch.cpu`` capabilities and oneDNN's own bf16/fp16 support check), once
+    per process. bf16: AVX512-BF16 or AMX-BF16; fp16: AVX512-FP16 or AMX-FP16."""
+    if dtype not in _HALF or not torch.backends.mkldnn.is_available():
+        return False
+    flags = ("avx512_bf16", "amx_bf16") if dtype == torch.bfloat16 else ("avx512_fp16", "amx_fp16")
+    try:
+        caps = torch.cpu.get_capabilities()
+        has_units = any(caps.get(flag, False) for flag in flags)
+        mkldnn = torch.ops.mkldnn
+        if dtype == torch.bfloat16:
+            onednn = mkldnn._is_mkldnn_bf16_supported()
+        else:
+            onednn = mkldnn._is_mkldnn_fp16_supported()
+    except (AttributeError, RuntimeError):  # an older torch: keep the exact upcast
+        return False
+    return bool(has_units and onednn)
 
 
 @functools.cache
@@ -62,14 +117,18 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -
     """``a @ b`` accumulated in fp32 and returned in fp32 (into ``out`` when given).
 
     ``a`` and ``b`` share a dtype, fp32 or half (float64 operands: a float64 product).
-    Half operands go to a GEMM with fp32 output where the device has one; elsewhere they
-    are upcast (exactly) to fp32.
+    Half operands go to a GEMM with fp32 output where the device has one; on a CPU with
+    half matrix units to a half GEMM (fp32 accumulation, the product rounded to half);
+    elsewhere they are upcast (exactly) to fp32.
     """
     if a.dtype in _HALF:
         if mm_out_dtype_supported(a.device.type):
             if out is None or out.is_contiguous():
                 return torch.mm(a, b, out_dtype=torch.float32, out=out)
             return out.copy_(torch.mm(a, b, out_dtype=torch.float32))
+        if a.device.type == "cpu" and cpu_half_gemms(a.dtype):
+            product = torch.mm(a, b)
+            return product.float() if out is None else out.copy_(product)
         a, b = a.float(), b.float()
     return torch.mm(a, b, out=out)
 

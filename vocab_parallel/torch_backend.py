@@ -17,7 +17,8 @@ The backend interface (both backends, inputs already validated):
     fused_backward(grad, x, weight, local_target, logits_max, sum_exp_logits, softmax,
                    on_target, smooth_all, *, need_input_grad, need_weight_grad,
                    grad_input_dtype, bias=None, softcap=None, logits=None,
-                   prob_scale=None, need_bias_grad=False)
+                   prob_scale=None, need_bias_grad=False, reuse_logits=False,
+                   grad_input_out=None, grad_weight_acc=None, grad_bias_acc=None)
 
 ``local_target`` is int64 ``[BT]``: the target's column in this shard, -1 where the row's
 target is not on this shard (or is ignored). The logits are ``z = cap(x @ W.T + bias)``
@@ -27,7 +28,10 @@ statistics, the stored logits (``logits_out``, ``logits``) and the softmax are o
 before the target distribution is subtracted; with ``softcap`` the gradient is then
 multiplied by ``1 - tanh(r / softcap)^2``. ``fused_backward`` returns
 ``(grad_input, grad_weight)``, and ``grad_bias = G.sum(0)`` third when
-``need_bias_grad``.
+``need_bias_grad``. ``mode="grad_in_forward"`` passes the token chunk's saved logits with
+``reuse_logits`` (G may overwrite them) and its own buffers to write ``grad_input`` into
+and to add ``grad_weight``, ``grad_bias`` to (``grad_input_out``, ``grad_weight_acc``,
+``grad_bias_acc``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ def gradient_products(
     need_weight_grad: bool = True,
     grad_input_dtype: torch.dtype | None = None,
     bias_grad_dtype: torch.dtype | None = None,
+    grad_input_out: torch.Tensor | None = None,
+    grad_weight_acc: torch.Tensor | None = None,
+    grad_bias_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """``grad_input = G @ weight`` and ``grad_weight = G.T @ x`` over vocabulary chunks.
 
@@ -78,6 +85,12 @@ def gradient_products(
 
     With ``bias_grad_dtype`` (not None) a third result is returned: ``grad_bias =
     G.sum(0)`` ``[V]``, the same rounded ``G`` summed in fp32, in ``bias_grad_dtype``.
+
+    Caller's buffers (``mode="grad_in_forward"`` walks the tokens in chunks and adds each
+    chunk's products up): ``grad_input_out`` (``[BT, H]``, fp32; float64 for float64
+    inputs) receives ``grad_input``; ``grad_weight_acc`` (``[V, H]``) and
+    ``grad_bias_acc`` (``[V]``), of that dtype too, get ``G.T @ x`` and ``G.sum(0)``
+    added. Each is returned in place of the gradient it holds.
     """
     bt, h = x.shape
     v = weight.shape[0]
@@ -96,26 +109,45 @@ def gradient_products(
     operand = precision.operand_dtype(dtype, device.type)
     accum = precision.accumulate_dtype(dtype)
     x_op = x.to(operand) if (need_weight_grad or g_reads_operands) else None
-    grad_weight = torch.empty((v, h), dtype=dtype, device=device) if need_weight_grad else None
-    acc = torch.empty((bt, h), dtype=accum, device=device) if need_input_grad else None
-    grad_bias = torch.empty(v, dtype=bias_grad_dtype, device=device) if need_bias_grad else None
+    grad_weight = acc_w = None  # acc_w: the caller's accumulator, else rows are written
+    if need_weight_grad:
+        acc_w = grad_weight_acc
+        grad_weight = (
+            acc_w if acc_w is not None else torch.empty((v, h), dtype=dtype, device=device)
+        )
+    acc = None
+    if need_input_grad:
+        acc = grad_input_out
+        acc = torch.empty((bt, h), dtype=accum, device=device) if acc is None else acc
+    grad_bias = acc_b = None
+    if need_bias_grad:
+        acc_b = grad_bias_acc
+        grad_bias = (
+            acc_b if acc_b is not None else torch.empty(v, dtype=bias_grad_dtype, device=device)
+        )
     # fp32 products that are not written in place: one buffer, used by both products.
     sizes = [bt * h] if need_input_grad and operand != accum else []
-    sizes += [cv * h] if need_weight_grad and dtype != accum else []
+    sizes += [cv * h] if need_weight_grad and (dtype != accum or operand != accum) else []
     scratch = torch.empty(max(sizes), dtype=accum, device=device) if sizes else None
     for v0 in range(0, v, cv):
         v1 = min(v, v0 + cv)
         w_op = weight[v0:v1].to(operand) if (need_input_grad or g_reads_operands) else None
         g = precision.round_to(make_g(v0, v1, x_op, w_op), dtype, operand)
         if need_bias_grad:  # the rounded G the products see, summed in fp32
-            grad_bias[v0:v1] = g.sum(dim=0, dtype=accum)
+            if acc_b is None:
+                grad_bias[v0:v1] = g.sum(dim=0, dtype=accum)
+            else:
+                acc_b[v0:v1] += g.sum(dim=0, dtype=accum)
         if need_input_grad:
             if v0 == 0:
                 precision.mm_fp32(g, w_op, out=acc)
             else:
                 tmp = None if operand == torch.float32 else scratch[: bt * h].view(bt, h)
                 precision.addmm_fp32_(acc, g, w_op, scratch=tmp)
-        if need_weight_grad:
+        if need_weight_grad and acc_w is not None:
+            tmp = None if operand == accum else scratch[: (v1 - v0) * h].view(v1 - v0, h)
+            precision.addmm_fp32_(acc_w[v0:v1], g.t(), x_op, scratch=tmp)
+        elif need_weight_grad:
             rows = grad_weight[v0:v1]
             if dtype == accum:
                 precision.mm_fp32(g.t(), x_op, out=rows)
@@ -123,7 +155,9 @@ def gradient_products(
                 tmp = scratch[: (v1 - v0) * h].view(v1 - v0, h)
                 rows.copy_(precision.mm_fp32(g.t(), x_op, out=tmp))
         del g  # free this chunk before the next one is allocated
-    grad_input = acc.to(gi_dtype) if need_input_grad else None
+    grad_input = None
+    if need_input_grad:
+        grad_input = acc if grad_input_out is not None else acc.to(gi_dtype)
     return (grad_input, grad_weight, grad_bias) if need_bias_grad else (grad_input, grad_weight)
 
 
@@ -168,6 +202,10 @@ def fused_backward(
     logits: torch.Tensor | None = None,
     prob_scale: torch.Tensor | None = None,
     need_bias_grad: bool = False,
+    reuse_logits: bool = False,
+    grad_input_out: torch.Tensor | None = None,
+    grad_weight_acc: torch.Tensor | None = None,
+    grad_bias_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Backward over vocabulary chunks; inputs already validated.
 
@@ -176,6 +214,10 @@ def fused_backward(
     else from the saved (capped) ``logits`` and the statistics, else from recomputed
     logits (``bias``, ``softcap``). Returns ``(grad_input, grad_weight)``, None for a
     gradient that is not needed, and ``grad_bias`` third when ``need_bias_grad``.
+
+    ``reuse_logits``: ``G`` may be computed in place in the saved ``logits`` (which are
+    then lost): no copy of a chunk. ``grad_input_out``, ``grad_weight_acc``,
+    ``grad_bias_acc``: the caller's buffers (:func:`gradient_products`).
     """
     bt, h = x.shape
     v = weight.shape[0]
@@ -193,7 +235,8 @@ def fused_backward(
             g = softmax[:, v0:v1].to(accum, copy=True)
         else:
             if logits is not None:  # saved capped logits z = softcap * tanh
-                g = logits[:, v0:v1].to(accum, copy=True)
+                g = logits[:, v0:v1]
+                g = g if reuse_logits and g.dtype == accum else g.to(accum, copy=True)
                 if softcap is not None:
                     tanh = g / softcap
             else:
@@ -230,6 +273,9 @@ def fused_backward(
         need_weight_grad=need_weight_grad,
         grad_input_dtype=grad_input_dtype,
         bias_grad_dtype=bias_dtype,
+        grad_input_out=grad_input_out,
+        grad_weight_acc=grad_weight_acc,
+        grad_bias_acc=grad_bias_acc,
     )
 
 

@@ -1,0 +1,250 @@
+"""``mode="grad_in_forward"``: the gradients computed in the forward pass, three GEMMs.
+
+When the loss is a scalar (``reduction="sum"`` or ``"mean"``) and a backward will follow,
+the gradient of each token is known in the forward up to the one upstream scalar ``g``:
+``d loss / d loss_i`` is ``g`` (sum) or ``g / count`` (mean, ``count`` the non-ignored
+tokens), 0 for ignored tokens. So the forward walks the tokens in chunks of ``R`` rows,
+and for each chunk (the math of ``vocab_parallel.autograd``, per token):
+
+    z_c          = cap(x_c @ W.T + b)              GEMM 1, fp32 [R, V_local], kept
+    stats        local max / sum-exp / predicted / logit-sum of z_c
+    M, S, P, A   MAX and SUM all-reduces            (they gate the chunk: blocking)
+    loss_c, lse_c
+    G_c          = (softmax(z_c) * (1 + 2 w lse_c) - q) * (1 or 1/count) * cap'
+                   computed in place of z_c (the backend's fused epilogue)
+    grad_input_c = G_c @ W                          GEMM 2, written into its rows
+                   SUM all-reduce started asynchronously (does not gate the next chunk)
+    grad_weight += G_c.T @ x_c                      GEMM 3, fp32 accumulator
+
+and waits for the ``grad_input`` all-reduces at the end. Three GEMMs and no recompute
+(memory-saving mode does four), and the only extra memory is the ``[R, V_local]`` fp32
+chunk (plus, for half inputs, fp32 ``grad_weight``/``grad_input`` accumulators until the
+backward). The backward multiplies the saved gradients by ``g`` in place (exact for the
+usual ``g = 1``) and hands them to autograd.
+
+The all-reduces of ``grad_input`` are the same collectives whether they overlap the next
+chunk or not (:data:`OVERLAP`), over disjoint rows, so the result is bitwise identical
+either way; every other sum runs in a fixed order too.
+
+A second backward through the same graph (``retain_graph=True``) cannot reuse gradients
+already handed out: it recomputes them like memory-saving mode, from the saved
+per-token statistics. Where the mode does not apply (``reduction="none"``, or no
+gradient will be taken) ``vocab_parallel.loss`` runs memory-saving mode instead.
+
+Token chunks are sized from quantities every rank of the group shares (tokens, global
+vocabulary, world size), so every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vocab_parallel import precision
+from vocab_parallel.autograd import (
+    _refuse_double_backward,
+    fused_gradients,
+    local_targets,
+    no_autocast,
+    reduce_statistics,
+    stats_options,
+)
+from vocab_parallel.distributed import all_reduce, all_reduce_async, world_size
+from vocab_parallel.ops import backend_forward_stats
+
+# Bytes of the fp32 [R, V_local] logits chunk, per device type: a chunk of 64 MiB keeps
+# CPU GEMMs near their best rate; GPUs need taller chunks for the grad_weight GEMM
+# (K = R) to run at tensor-core speed.
+CHUNK_BYTES = {"cpu": 64 * 1024 * 1024}
+DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
+
+# Overlap each chunk's grad_input all-reduce with the next chunk (same result either way).
+OVERLAP = True
+
+
+def chunk_rows(
+    tokens: int, global_size: int, world: int, device_type: str, chunk_bytes: int | None = None
+) -> int:
+    """Token rows per chunk: an fp32 ``[rows, ceil(global_size / world)]`` chunk fits
+    ``chunk_bytes`` (the device's default); at least one row, at most ``tokens``, a
+    multiple of 64 when above 64. The same on every rank of the group."""
+    budget = chunk_bytes or CHUNK_BYTES.get(device_type, DEFAULT_CHUNK_BYTES)
+    per_row = 4 * max(1, -(-global_size // max(1, world)))
+    rows = max(1, budget // per_row)
+    if rows > 64:
+        rows = rows // 64 * 64
+    return max(1, min(tokens, rows))
+
+
+class GradInForwardLinearCE(torch.autograd.Function):
+    """``(loss, lse)``: the ``reduction`` (``"sum"`` or ``"mean"``) of the per-token
+    losses (a 0-d fp32 tensor; float64 for float64 inputs) and the per-token ``lse``
+    ``[BT]`` (0 for ignored tokens, not differentiable), gradients computed on the way.
+
+    ``needs``: whether ``hidden``, ``weight``, ``bias`` need a gradient (the others cost
+    no GEMM and no memory).
+    """
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, target, process_group, layout, opts, backend, reduction, needs
+    ):
+        with no_autocast(hidden.device.type), torch.no_grad():
+            return GradInForwardLinearCE._forward(
+                ctx, hidden, weight, bias, target, process_group, layout, opts, backend,
+                reduction, needs,
+            )  # fmt: skip
+
+    @staticmethod
+    def _forward(
+        ctx, hidden, weight, bias, target, process_group, layout, opts, backend, reduction, needs
+    ):
+        need_input, need_weight, need_bias = needs
+        need_bias = need_bias and bias is not None
+        local_target, ignored = local_targets(target, layout, opts.ignore_index)
+        bt, h = hidden.shape
+        v = weight.shape[0]
+        accum = precision.accumulate_dtype(hidden.dtype)
+        device = hidden.device
+        world = world_size(process_group)
+        tp = world > 1
+
+        # d loss / d loss_i for an upstream gradient of 1: 0 for ignored tokens.
+        count = (~ignored).sum()
+        per_token = torch.ones((), dtype=accum, device=device)
+        if reduction == "mean":
+            per_token = per_token / count.clamp(min=1).to(accum)
+        token_grad = per_token.expand(bt).masked_fill(ignored, 0.0)
+
+        f = dict(dtype=accum, device=device)
+        grad_input = torch.empty((bt, h), **f) if need_input else None
+        grad_weight = torch.zeros((v, h), **f) if need_weight else None
+        grad_bias = torch.zeros(v, **f) if need_bias else None
+        losses, lse = torch.empty(bt, **f), torch.empty(bt, **f)
+        logits_max, sum_exp = torch.empty(bt, **f), torch.empty(bt, **f)
+
+        rows = chunk_rows(bt, layout.global_size, world, device.type)
+        chunk = torch.empty((min(rows, bt), v), **f)
+        forward_stats = backend_forward_stats(backend)
+        waits = []  # the grad_input all-reduces in flight
+        for r0 in range(0, bt, rows):
+            r1 = min(bt, r0 + rows)
+            x_c, t_c, z_c = hidden[r0:r1], local_target[r0:r1], chunk[: r1 - r0]
+            stats = forward_stats(x_c, weight, t_c, z_c, **stats_options(bias, opts))
+            loss_c, lse_c, max_c, sum_c = reduce_statistics(
+                *stats, process_group, opts, layout.global_size
+            )
+            losses[r0:r1], lse[r0:r1] = loss_c, lse_c
+            logits_max[r0:r1], sum_exp[r0:r1] = max_c, sum_c
+            if not (need_input or need_weight or need_bias):
+                continue
+            buffers = dict(
+                grad_input_out=None if grad_input is None else grad_input[r0:r1],
+                grad_weight_acc=grad_weight,
+                grad_bias_acc=grad_bias,
+            )
+            fused_gradients(
+                backend,
+                token_grad[r0:r1],
+                x_c,
+                weight,
+                bias,
+                t_c,
+                opts,
+                layout.global_size,
+                logits=z_c,
+                logits_max=max_c,
+                sum_exp=sum_c,
+                prob_scale=1.0 + (2.0 * opts.z_loss) * lse_c if opts.z_loss else None,
+                need_input=need_input,
+                need_weight=need_weight,
+                need_bias=need_bias,
+                grad_input_dtype=accum,
+                reuse_logits=True,
+                **buffers,
+            )
+            if tp and need_input:
+                rows_gi = grad_input[r0:r1]
+                if OVERLAP:
+                    waits.append(all_reduce_async(rows_gi, "SUM", process_group, "grad_input"))
+                else:
+                    all_reduce(rows_gi, "SUM", process_group, "grad_input")
+        del chunk
+        for wait in waits:
+            wait()
+
+        losses.masked_fill_(ignored, 0.0)
+        lse.masked_fill_(ignored, 0.0)
+        loss = losses.sum()
+        if reduction == "mean":
+            loss = loss / count.clamp(min=1)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        # What a second backward (retain_graph=True) needs to recompute the gradients.
+        prob_scale = 1.0 + (2.0 * opts.z_loss) * lse if opts.z_loss else None
+        ctx.save_for_backward(
+            hidden, weight, bias, local_target, token_grad, logits_max, sum_exp, prob_scale
+        )
+        ctx.grads = [grad_input, grad_weight, grad_bias]  # handed out by the first backward
+        ctx.process_group, ctx.opts, ctx.backend = process_group, opts, backend
+        ctx.global_size = layout.global_size
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        need = ctx.needs_input_grad[:3]  # hidden, weight, bias
+        grads = (None, None, None)
+        if grad_loss is not None and any(need):
+            hidden, weight, bias = ctx.saved_tensors[:3]
+            with torch.no_grad(), no_autocast(hidden.device.type):
+                if ctx.grads is not None:
+                    grads, ctx.grads = ctx.grads, None  # ours alone now: scaled in place
+                    grads = _scaled(grads, grad_loss, (hidden, weight, bias), need)
+                else:
+                    grads = GradInForwardLinearCE._recompute(ctx, grad_loss, need)
+            if torch.is_grad_enabled():  # create_graph=True
+                grads = _refuse_double_backward(grads, ctx.saved_tensors[:3])
+        return (*grads, None, None, None, None, None, None, None)
+
+    @staticmethod
+    def _recompute(ctx, grad_loss, need):
+        """The gradients again, memory-saving style (a second backward of the graph)."""
+        hidden, weight, bias, local_target, token_grad, logits_max, sum_exp, prob_scale = (
+            ctx.saved_tensors
+        )
+        accum = precision.accumulate_dtype(hidden.dtype)
+        tp = world_size(ctx.process_group) > 1
+        grad_input, grad_weight, grad_bias = fused_gradients(
+            ctx.backend,
+            token_grad * grad_loss.to(accum),
+            hidden,
+            weight,
+            bias,
+            local_target,
+            ctx.opts,
+            ctx.global_size,
+            logits_max=logits_max,
+            sum_exp=sum_exp,
+            prob_scale=prob_scale,
+            need_input=need[0],
+            need_weight=need[1],
+            need_bias=need[2],
+            grad_input_dtype=accum if tp else None,
+        )
+        if tp and grad_input is not None:
+            grad_input = all_reduce(grad_input, "SUM", ctx.process_group, "grad_input")
+        if grad_input is not None:
+            grad_input = grad_input.to(hidden.dtype)
+        return grad_input, grad_weight, grad_bias
+
+
+def _scaled(grads, grad_loss, inputs, need) -> tuple:
+    """The saved gradients times the upstream scalar (in place, in their fp32 or float64
+    accumulators), in the dtype of their input; None where no gradient is needed."""
+    out = []
+    for g, t, wanted in zip(grads, inputs, need, strict=True):
+        if g is None or not wanted:
+            out.append(None)
+            continue
+        g.mul_(grad_loss.to(g.dtype))
+        out.append(g if g.dtype == t.dtype else g.to(t.dtype))
+    return tuple(out)

@@ -223,11 +223,14 @@ def fused_backward(
     v = weight.shape[0]
     accum = precision.accumulate_dtype(x.dtype)
     scale = grad.to(accum).reshape(-1, 1)  # [BT, 1] or [1, 1]
+    # Per row: G = exp(z - lse) * factor - smooth - hot * onehot (then the cap's factor),
+    # so that each element is touched by three passes (sub, exp, mul) without options.
+    factor = scale if prob_scale is None else scale * prob_scale.to(accum)[:, None]
+    smooth = scale * smooth_all
     # Amount subtracted at the target column: (1 - eps) where the target is on this shard.
-    onehot_val = (local_target >= 0).to(accum) * on_target
+    hot = ((local_target >= 0).to(accum) * on_target)[:, None].mul(scale).reshape(-1)
+    lse = None if softmax is not None else (logits_max + torch.log(sum_exp_logits))[:, None]
     rows = torch.arange(bt, device=x.device)
-    if prob_scale is not None:
-        prob_scale = prob_scale.to(accum)[:, None]
 
     def make_g(v0: int, v1: int, x_op: torch.Tensor, w_op: torch.Tensor | None):
         tanh = None  # tanh(r / softcap) of the chunk, for the cap's derivative
@@ -244,16 +247,14 @@ def fused_backward(
                 if softcap is not None:
                     tanh = g.div_(softcap).tanh_()
                     g = tanh * softcap
-            g.sub_(logits_max[:, None]).exp_().div_(sum_exp_logits[:, None])
-        if prob_scale is not None:  # z-loss: softmax * (1 + 2 * z_loss * lse)
-            g.mul_(prob_scale)
+            g.sub_(lse).exp_()
+        g.mul_(factor)
         if smooth_all != 0.0:
-            g.sub_(smooth_all)
+            g.sub_(smooth)
         # One-hot: subtract where the target falls into this chunk.
         in_chunk = (local_target >= v0) & (local_target < v1)
         cols = (local_target - v0).clamp(0, v1 - v0 - 1)
-        g[rows, cols] -= torch.where(in_chunk, onehot_val, 0.0)
-        g.mul_(scale)
+        g[rows, cols] -= torch.where(in_chunk, hot, 0.0)
         if tanh is not None:  # through the cap: d z / d r = 1 - tanh^2
             g.mul_(tanh.square_().neg_().add_(1.0))
         return g
@@ -277,6 +278,23 @@ def fused_backward(
         grad_weight_acc=grad_weight_acc,
         grad_bias_acc=grad_bias_acc,
     )
+
+
+# Columns per block of exp(z - max) when the logits must be kept (see _sum_exp).
+SUM_EXP_BLOCK = 4096
+
+
+def _sum_exp(logits: torch.Tensor, row_max: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``exp(logits - row_max).sum(1)``: in place when the logits are not kept, else in
+    column blocks, so that the kept logits (high-performance mode, grad-in-forward) cost
+    no second full-size temporary."""
+    if in_place:
+        return logits.sub_(row_max).exp_().sum(dim=1)
+    total = None
+    for c0 in range(0, logits.shape[1], SUM_EXP_BLOCK):
+        part = logits[:, c0 : c0 + SUM_EXP_BLOCK].sub(row_max).exp_().sum(dim=1)
+        total = part if total is None else total.add_(part)
+    return total
 
 
 def forward_stats(
@@ -325,9 +343,7 @@ def forward_stats(
             lsum += logits.sum(dim=1)
         new_max = torch.maximum(row_max, logits.max(dim=1).values)
         row_sum.mul_(torch.exp(row_max - new_max))
-        # exp in place unless the logits must be kept (high-performance mode).
-        shifted = logits.sub(new_max[:, None]) if out is not None else logits.sub_(new_max[:, None])
-        row_sum.add_(shifted.exp_().sum(dim=1))
+        row_sum.add_(_sum_exp(logits, new_max[:, None], in_place=out is None))
         row_max = new_max
-        del logits, shifted  # free this chunk before the next one is allocated
+        del logits  # free this chunk before the next one is allocated
     return row_max, row_sum, pred, lsum

@@ -247,6 +247,7 @@ def fused_backward(
     grad_input_out: torch.Tensor | None = None,
     grad_weight_acc: torch.Tensor | None = None,
     grad_bias_acc: torch.Tensor | None = None,
+    accumulate: bool = True,
 ) -> tuple[torch.Tensor | None, ...]:
     """The backward over vocabulary chunks; inputs are already validated.
 
@@ -313,4 +314,5 @@ def fused_backward(
         grad_input_out=grad_input_out,
         grad_weight_acc=grad_weight_acc,
         grad_bias_acc=grad_bias_acc,
+        accumulate=accumulate,
     )

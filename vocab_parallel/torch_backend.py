@@ -71,6 +71,7 @@ def gradient_products(
     grad_input_out: torch.Tensor | None = None,
     grad_weight_acc: torch.Tensor | None = None,
     grad_bias_acc: torch.Tensor | None = None,
+    accumulate: bool = True,
 ) -> tuple[torch.Tensor | None, ...]:
     """``grad_input = G @ weight`` and ``grad_weight = G.T @ x`` over vocabulary chunks.
 
@@ -90,7 +91,8 @@ def gradient_products(
     chunk's products up): ``grad_input_out`` (``[BT, H]``, fp32; float64 for float64
     inputs) receives ``grad_input``; ``grad_weight_acc`` (``[V, H]``) and
     ``grad_bias_acc`` (``[V]``), of that dtype too, get ``G.T @ x`` and ``G.sum(0)``
-    added. Each is returned in place of the gradient it holds.
+    added (``accumulate=False``: written, as into a fresh buffer: the first chunk). Each
+    is returned in place of the gradient it holds.
     """
     bt, h = x.shape
     v = weight.shape[0]
@@ -134,7 +136,7 @@ def gradient_products(
         w_op = weight[v0:v1].to(operand) if (need_input_grad or g_reads_operands) else None
         g = precision.round_to(make_g(v0, v1, x_op, w_op), dtype, operand)
         if need_bias_grad:  # the rounded G the products see, summed in fp32
-            if acc_b is None:
+            if acc_b is None or not accumulate:
                 grad_bias[v0:v1] = g.sum(dim=0, dtype=accum)
             else:
                 acc_b[v0:v1] += g.sum(dim=0, dtype=accum)
@@ -144,12 +146,12 @@ def gradient_products(
             else:
                 tmp = None if operand == torch.float32 else scratch[: bt * h].view(bt, h)
                 precision.addmm_fp32_(acc, g, w_op, scratch=tmp)
-        if need_weight_grad and acc_w is not None:
+        if need_weight_grad and acc_w is not None and accumulate:
             tmp = None if operand == accum else scratch[: (v1 - v0) * h].view(v1 - v0, h)
             precision.addmm_fp32_(acc_w[v0:v1], g.t(), x_op, scratch=tmp)
         elif need_weight_grad:
             rows = grad_weight[v0:v1]
-            if dtype == accum:
+            if grad_weight.dtype == accum:
                 precision.mm_fp32(g.t(), x_op, out=rows)
             else:
                 tmp = scratch[: (v1 - v0) * h].view(v1 - v0, h)
@@ -206,6 +208,7 @@ def fused_backward(
     grad_input_out: torch.Tensor | None = None,
     grad_weight_acc: torch.Tensor | None = None,
     grad_bias_acc: torch.Tensor | None = None,
+    accumulate: bool = True,
 ) -> tuple[torch.Tensor | None, ...]:
     """Backward over vocabulary chunks; inputs already validated.
 
@@ -264,6 +267,10 @@ def fused_backward(
     bias_dtype = (x.dtype if bias is None else bias.dtype) if need_bias_grad else None
     # A softcap keeps tanh beside each chunk of G: half the columns, the same bytes.
     cv = chunk_columns(bt, v, chunk_bytes if softcap is None else chunk_bytes // 2, h)
+    fp32_products = precision.operand_dtype(x.dtype, x.device.type) == accum == x.dtype
+    in_place = reuse_logits and logits is not None and logits.dtype == accum
+    if in_place and softcap is None and fp32_products:
+        cv = v  # G overwrites the logits and no product needs a scratch: one chunk
     return gradient_products(
         x,
         weight,
@@ -277,6 +284,7 @@ def fused_backward(
         grad_input_out=grad_input_out,
         grad_weight_acc=grad_weight_acc,
         grad_bias_acc=grad_bias_acc,
+        accumulate=accumulate,
     )
 
 

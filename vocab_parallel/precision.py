@@ -145,6 +145,8 @@ def addmm_fp32_(
     """
     if a.dtype == acc.dtype:
         return acc.addmm_(a, b)
+    if a.device.type == "cpu" and a.dtype in _HALF and cpu_half_gemms(a.dtype):
+        return acc.add_(torch.mm(a, b))  # the half product added in fp32: no fp32 copy of it
     return acc.add_(mm_fp32(a, b, out=scratch))
 
 

@@ -105,6 +105,23 @@ def reference_losses(x, w, y, full, device) -> dict:
     return ref
 
 
+def gemm_baseline(x: torch.Tensor, w: torch.Tensor, device: torch.device, repeats: int) -> float:
+    """Seconds of the three plain GEMMs of this shape (``x @ W.T``, ``G @ W``, ``G.T @ x``
+    with ``G`` ``[BT, V_local]`` in the input dtype; cuBLAS on CUDA, MKL/oneDNN on CPUs),
+    fastest of ``repeats``: what grad_in_forward's three GEMMs would take as single calls."""
+    with torch.no_grad():
+        g = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=device).normal_()
+
+        def three():
+            torch.mm(x, w.t())
+            torch.mm(g, w)
+            torch.mm(g.t(), x)
+
+        three()  # warm-up
+        best = harness.timed_calls(three, device, repeats)["times_s"]
+    return min(best)
+
+
 def run_case(case: dict) -> dict:
     """One rank of one implementation: warm-up, then timed and measured fwd+bwd calls."""
     rank, world = int(os.environ.get("RANK", "0")), case["world"]
@@ -142,6 +159,9 @@ def run_case(case: dict) -> dict:
 
     fwd_bwd()  # warm-up: library set-up, thread pools, compilation
     res = harness.timed_calls(fwd_bwd, device, case["repeats"], before=before, keep=keep)
+    gemms_s = None
+    if case["impl"] == "ours_gif" and world == 1 and case.get("gemm_baseline", True):
+        gemms_s = gemm_baseline(hidden.detach(), weight.detach(), device, case["repeats"])
     if group is not None:
         torch.distributed.destroy_process_group()
     peak, (loss_value, grads) = res["peak"], res["kept"]
@@ -154,6 +174,7 @@ def run_case(case: dict) -> dict:
         "loss": loss_value,
         "ref": ref,
         "threads": torch.get_num_threads(),
+        "gemms_s": gemms_s,
     }
 
 
@@ -258,6 +279,8 @@ def main(argv=None) -> int:
         print("Targets (issue 3: CPU, fp32, 1 rank; issue 10: grad_in_forward):")
     for line in loss_report.targets(rows):
         print("  " + line)
+    for line in loss_report.gemm_throughput(rows, args.bt, args.hidden, args.vocab):
+        print(line)
     info = {"args": vars(args), "device": where, "load_before": load_before}
     harness.write_json(args.json, info | {"rows": rows})
     broken = [

@@ -13,6 +13,25 @@ LOSS_TOL = {"fp32": 1e-4, "bf16": 2e-2}
 MEM_TIE = 1 * MIB
 
 
+def gemm_throughput(rows: list[dict], bt: int, h: int, v: int) -> list[str]:
+    """TFLOP/s of grad_in_forward's three GEMMs (2 * BT * H * V each) over its whole
+    forward + backward, against the same three GEMMs as plain single calls (cuBLAS on
+    CUDA): how close the loss runs to the GEMMs alone."""
+    out = []
+    for r in rows:
+        gemms = r.get("ranks", [{}])[0].get("gemms_s") if r["status"] == "ok" else None
+        if r["impl"] != "ours_gif" or not gemms:
+            continue
+        flops = 3 * 2.0 * bt * h * v
+        ours, plain = flops / r["time_s"] / 1e12, flops / gemms / 1e12
+        out.append(
+            f"GEMM throughput, grad_in_forward {r['dtype']}: {ours:.2f} TFLOP/s over the "
+            f"whole loss vs {plain:.2f} TFLOP/s for its three GEMMs alone "
+            f"({ours / plain:.0%} of it)"
+        )
+    return out
+
+
 def summarise(res: dict) -> dict:
     """Fastest call (of the slowest rank per call), largest peak, rank 0's loss."""
     ranks = res["ranks"]

@@ -46,7 +46,7 @@ OPTIONS: dict[str, tuple] = {
     "mlp_ratio": (4, int, "MLP width / d_model"),
     "vocab_size": (8192, int, "rows of the LM head; the BPE tokenizer is trained to this size"),
     "dtype": ("float32", str, "float32 | bfloat16 (parameters and activations)"),
-    "mode": ("memory_saving", str, "our loss: memory_saving | high_performance"),
+    "mode": ("auto", str, "our loss: auto | grad_in_forward | memory_saving | high_performance"),
     "sequence_parallel": (
         False,
         bool,
@@ -254,7 +254,7 @@ RANGES: dict[str, tuple] = {
 CHOICES = {
     "engine": ("torch", "deepspeed"),
     "dtype": tuple(DTYPES),
-    "mode": ("memory_saving", "high_performance"),
+    "mode": ("auto", "grad_in_forward", "memory_saving", "high_performance"),
     "backend": ("auto", "triton", "torch"),
     "tp_style": ("shards", "dtensor"),
 }

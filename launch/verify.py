@@ -37,7 +37,7 @@ DEFAULTS = {
     "hidden": [64],
     "vocab": [1031],
     "dtypes": ["float32", "bfloat16"],
-    "modes": ["memory_saving", "high_performance"],
+    "modes": ["grad_in_forward", "memory_saving", "high_performance"],
     "reductions": ["none", "sum", "mean"],
     "label_smoothing": [0.0, 0.1],
     "backends": ["auto"],
@@ -57,7 +57,7 @@ KINDS = {
 }
 CHOICES = {
     "dtypes": ("float32", "bfloat16", "float16"),
-    "modes": ("memory_saving", "high_performance"),
+    "modes": ("grad_in_forward", "memory_saving", "high_performance"),
     "reductions": ("none", "sum", "mean"),
     "backends": ("auto", "triton", "torch"),
 }

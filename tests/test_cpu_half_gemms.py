@@ -119,3 +119,35 @@ def test_the_gemms_see_half_operands(native, monkeypatch):
     vocab_parallel_linear_cross_entropy(x, w, y, mode="grad_in_forward", backend="torch").backward()
     assert len(seen) == 3 and set(seen) == {(torch.bfloat16, torch.bfloat16)}
     assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+
+
+def test_grad_in_forward_keeps_half_logits_and_forms_g_in_place(native, monkeypatch):
+    """On the native path the grad-in-forward chunk is kept in bf16 (the GEMM's own output)
+    and G is formed over it block by block: several token chunks and row blocks, every
+    option but softcap (which keeps fp32 logits), against the float64 reference."""
+    from vocab_parallel import grad_in_forward, torch_backend
+
+    monkeypatch.setitem(grad_in_forward.CHUNK_BYTES, "cpu", 6 * 4 * 389)
+    monkeypatch.setattr(torch_backend, "HALF_G_BLOCK", 700)  # blocks of 1-2 rows
+    kept = []
+    half_g = torch_backend._half_g_in_place
+
+    def recording(z, *args):
+        kept.append(z.dtype)
+        return half_g(z, *args)
+
+    monkeypatch.setattr(torch_backend, "_half_g_in_place", recording)
+    cases = [
+        Case(dtype="bfloat16", mode="grad_in_forward", backend="torch", reduction=r, **opts)
+        for r in ("mean", "sum")
+        for opts in (
+            {},
+            {"label_smoothing": 0.1},
+            {"bias": True, "z_loss": 1e-3, "return_lse": True},
+            {"all_ignored": True},
+        )
+    ]
+    results = [check_case(c, None, CPU) for c in cases]
+    bad = [r for r in results if not r["ok"]]
+    assert not bad, bad[:5]
+    assert kept and set(kept) == {torch.bfloat16}

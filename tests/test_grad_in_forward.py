@@ -134,9 +134,10 @@ def test_chunking_changes_only_rounding(monkeypatch):
 def test_chunk_rows_is_the_same_on_every_rank():
     """Derived from tokens, global vocabulary and world size only (never the local shard),
     so uneven shards still issue the same collectives; a multiple of 64 when large."""
-    assert chunk_rows(4096, 32768, 1, "cpu") == 1024
+    assert chunk_rows(4096, 32768, 1, "cpu") == 512  # MAX_ROWS
     assert chunk_rows(4096, 131072, 1, "cpu") == 256
     assert chunk_rows(4096, 131072, 2, "cpu") == 512
+    assert chunk_rows(4096, 131072, 4, "cpu") == 512
     assert chunk_rows(100, 32768, 1, "cpu") == 100
     assert chunk_rows(4096, 10**9, 1, "cpu") == 1  # never 0
     assert chunk_rows(0, 389, 1, "cpu") == 1

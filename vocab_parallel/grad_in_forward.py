@@ -57,6 +57,10 @@ from vocab_parallel.ops import backend_forward_stats
 # grad_weight GEMM (K = R) to run at tensor-core speed.
 CHUNK_BYTES = {"cpu": 128 * 1024 * 1024}
 DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
+# At most this many rows per chunk: on CPUs GEMMs of 512 rows already run near their best
+# rate, and taller chunks only cost memory (the chunk is sized for V_local, which shrinks
+# with more ranks).
+MAX_ROWS = {"cpu": 512}
 
 # Overlap each chunk's grad_input all-reduce with the next chunk (same result either way).
 OVERLAP = True
@@ -66,11 +70,12 @@ def chunk_rows(
     tokens: int, global_size: int, world: int, device_type: str, chunk_bytes: int | None = None
 ) -> int:
     """Token rows per chunk: an fp32 ``[rows, ceil(global_size / world)]`` chunk fits
-    ``chunk_bytes`` (the device's default); at least one row, at most ``tokens``, a
-    multiple of 64 when above 64. The same on every rank of the group."""
+    ``chunk_bytes`` (the device's default), at most the device's :data:`MAX_ROWS`; at
+    least one row, at most ``tokens``, a multiple of 64 when above 64. The same on every
+    rank of the group."""
     budget = chunk_bytes or CHUNK_BYTES.get(device_type, DEFAULT_CHUNK_BYTES)
     per_row = 4 * max(1, -(-global_size // max(1, world)))
-    rows = max(1, budget // per_row)
+    rows = max(1, min(budget // per_row, MAX_ROWS.get(device_type, tokens)))
     if rows > 64:
         rows = rows // 64 * 64
     return max(1, min(tokens, rows))
@@ -126,7 +131,12 @@ class GradInForwardLinearCE(torch.autograd.Function):
         logits_max, sum_exp = torch.empty(bt, **f), torch.empty(bt, **f)
 
         rows = chunk_rows(bt, layout.global_size, world, device.type)
-        chunk = torch.empty((min(rows, bt), v), **f)
+        # The torch backend keeps the chunk in the GEMM's own output dtype (half on a CPU
+        # with half GEMMs: nothing is lost, half the bytes) and forms G in place.
+        chunk_dtype = accum
+        if backend == "torch" and opts.softcap is None:
+            chunk_dtype = precision.product_dtype(hidden.dtype, device.type)
+        chunk = torch.empty((min(rows, bt), v), dtype=chunk_dtype, device=device)
         forward_stats = backend_forward_stats(backend)
         waits = []  # the grad_input all-reduces in flight
         for r0 in range(0, bt, rows):

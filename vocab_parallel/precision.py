@@ -113,6 +113,16 @@ def mm_out_dtype_supported(device_type: str) -> bool:
     return out.dtype == torch.float32
 
 
+def product_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype a product of inputs of ``dtype`` comes out of the GEMM in: the input
+    dtype on a CPU running half GEMMs natively (oneDNN rounds each product to it), else
+    the accumulation dtype. Logits kept in it lose nothing more."""
+    operand = operand_dtype(dtype, device_type)
+    if operand in _HALF and device_type == "cpu" and not mm_out_dtype_supported(device_type):
+        return operand
+    return accumulate_dtype(dtype)
+
+
 def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` accumulated in fp32 and returned in fp32 (into ``out`` when given).
 
@@ -127,6 +137,8 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -
                 return torch.mm(a, b, out_dtype=torch.float32, out=out)
             return out.copy_(torch.mm(a, b, out_dtype=torch.float32))
         if a.device.type == "cpu" and cpu_half_gemms(a.dtype):
+            if out is not None and out.dtype == a.dtype and out.is_contiguous():
+                return torch.mm(a, b, out=out)  # kept in half: product_dtype
             product = torch.mm(a, b)
             return product.float() if out is None else out.copy_(product)
         a, b = a.float(), b.float()

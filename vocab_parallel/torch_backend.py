@@ -170,6 +170,42 @@ def cap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits.div_(softcap).tanh_().mul_(softcap)
 
 
+# Elements per block of the half-precision G (_half_g_in_place): an fp32 block of 1 MiB
+# stays in the core's cache between its elementwise steps.
+HALF_G_BLOCK = 256 * 1024
+
+
+def _half_g_in_place(
+    z: torch.Tensor,
+    v0: int,
+    lse: torch.Tensor,
+    factor: torch.Tensor,
+    smooth: torch.Tensor | None,
+    hot: torch.Tensor,
+    local_target: torch.Tensor,
+) -> torch.Tensor:
+    """``G`` of the columns ``[v0, v0 + z.shape[1])`` written over their half logits ``z``
+    (no softcap): per block of whole rows, in fp32, ``exp(z - lse) * factor - smooth``,
+    the one-hot subtracted, one rounding to half. The same values as the fp32 path, with
+    only the half chunk in memory and its bytes read and written once."""
+    bt, n = z.shape
+    accum = lse.dtype
+    step = max(1, HALF_G_BLOCK // max(1, n))
+    col = local_target - v0
+    hit = (col >= 0) & (col < n)
+    per_row = factor.expand(bt, 1)
+    for r0 in range(0, bt, step):
+        r1 = min(bt, r0 + step)
+        t = z[r0:r1].to(accum).sub_(lse[r0:r1]).exp_().mul_(per_row[r0:r1])
+        if smooth is not None:
+            t.sub_(smooth.expand(bt, 1)[r0:r1])
+        rows = hit[r0:r1].nonzero().squeeze(1)
+        if rows.numel():
+            t[rows, col[r0:r1][rows]] -= hot[r0:r1][rows]
+        z[r0:r1] = t
+    return z
+
+
 def linear_logits(
     x_op: torch.Tensor,
     w_op: torch.Tensor,
@@ -234,12 +270,16 @@ def fused_backward(
     hot = ((local_target >= 0).to(accum) * on_target)[:, None].mul(scale).reshape(-1)
     lse = None if softmax is not None else (logits_max + torch.log(sum_exp_logits))[:, None]
     rows = torch.arange(bt, device=x.device)
+    target = local_target
 
     def make_g(v0: int, v1: int, x_op: torch.Tensor, w_op: torch.Tensor | None):
         tanh = None  # tanh(r / softcap) of the chunk, for the cap's derivative
         if softmax is not None:
             g = softmax[:, v0:v1].to(accum, copy=True)
         else:
+            if logits is not None and logits.dtype != accum and reuse_logits:
+                smooth_rows = smooth if smooth_all != 0.0 else None
+                return _half_g_in_place(logits[:, v0:v1], v0, lse, factor, smooth_rows, hot, target)
             if logits is not None:  # saved capped logits z = softcap * tanh
                 g = logits[:, v0:v1]
                 g = g if reuse_logits and g.dtype == accum else g.to(accum, copy=True)
@@ -293,14 +333,15 @@ SUM_EXP_BLOCK = 4096
 
 
 def _sum_exp(logits: torch.Tensor, row_max: torch.Tensor, in_place: bool) -> torch.Tensor:
-    """``exp(logits - row_max).sum(1)``: in place when the logits are not kept, else in
-    column blocks, so that the kept logits (high-performance mode, grad-in-forward) cost
-    no second full-size temporary."""
-    if in_place:
+    """``exp(logits - row_max).sum(1)`` in ``row_max``'s dtype: in place when the logits
+    are not kept, else in column blocks, so that the kept logits (high-performance mode,
+    grad-in-forward; half ones too) cost no second full-size temporary."""
+    if in_place and logits.dtype == row_max.dtype:
         return logits.sub_(row_max).exp_().sum(dim=1)
     total = None
     for c0 in range(0, logits.shape[1], SUM_EXP_BLOCK):
-        part = logits[:, c0 : c0 + SUM_EXP_BLOCK].sub(row_max).exp_().sum(dim=1)
+        # (half - fp32 promotes to fp32: one new block, the kept logits untouched)
+        part = torch.sub(logits[:, c0 : c0 + SUM_EXP_BLOCK], row_max).exp_().sum(dim=1)
         total = part if total is None else total.add_(part)
     return total
 
@@ -321,8 +362,9 @@ def forward_stats(
 
     One online pass over vocabulary chunks (same contract as the Triton launcher
     ``vocab_parallel.kernels.forward.forward_stats``): ``local_target`` is int64, -1 where
-    the target is not on this shard; ``logits_out`` (``[BT, V]``, the statistics' dtype)
-    receives ``z`` when given, and then the chunk products are written straight into it.
+    the target is not on this shard; ``logits_out`` (``[BT, V]``, the statistics' dtype,
+    or without softcap ``precision.product_dtype``: half on a CPU with half GEMMs) receives
+    ``z`` when given, and then the chunk products are written straight into it.
     ``with_logit_sum=False`` skips the logit sum (only label smoothing needs it): zeros.
     """
     bt = x.shape[0]
@@ -346,10 +388,11 @@ def forward_stats(
         logits = cap_(linear_logits(x_op, w_op, b, out=out), softcap)
         in_chunk = here & (local_target >= v0) & (local_target < v1)
         cols = (local_target - v0).clamp(0, v1 - v0 - 1)
-        pred += torch.where(in_chunk, logits.gather(1, cols[:, None]).squeeze(1), 0.0)
+        picked = logits.gather(1, cols[:, None]).squeeze(1).to(pred.dtype)
+        pred += torch.where(in_chunk, picked, 0.0)
         if with_logit_sum:  # only label smoothing needs it: skip the pass otherwise
-            lsum += logits.sum(dim=1)
-        new_max = torch.maximum(row_max, logits.max(dim=1).values)
+            lsum += logits.sum(dim=1, dtype=lsum.dtype)
+        new_max = torch.maximum(row_max, logits.max(dim=1).values.to(row_max.dtype))
         row_sum.mul_(torch.exp(row_max - new_max))
         row_sum.add_(_sum_exp(logits, new_max[:, None], in_place=out is None))
         row_max = new_max

@@ -17,10 +17,15 @@ and for each chunk (the math of ``vocab_parallel.autograd``, per token):
     grad_weight += G_c.T @ x_c                      GEMM 3, fp32 accumulator
 
 and waits for the ``grad_input`` all-reduces at the end. Three GEMMs and no recompute
-(memory-saving mode does four), and the only extra memory is the ``[R, V_local]`` fp32
-chunk (plus, for half inputs, fp32 ``grad_weight``/``grad_input`` accumulators until the
-backward). The backward multiplies the saved gradients by ``g`` in place (exact for the
-usual ``g = 1``) and hands them to autograd.
+(memory-saving mode does four). Extra memory: the ``[R, V_local]`` chunk (fp32; half on a
+CPU with half GEMMs, where G overwrites it), the backend's ``G`` buffer where it has its
+own (Triton: in the input dtype; torch with half operands: a half copy per vocabulary
+chunk), and for half inputs fp32 ``grad_weight``/``grad_input`` accumulators until the
+backward. The backward multiplies the saved gradients by ``g`` in place (exact for the
+usual ``g = 1``) and hands them to autograd. fp16 inputs form ``G`` with a per-token
+gradient of 1 and apply a mean's ``1/count`` to the fp32 results, so that fp16's narrow
+range does not flush small terms (``mode="auto"`` runs memory-saving mode for fp16, where
+GradScaler's factor reaches ``G`` before its rounding).
 
 The all-reduces of ``grad_input`` are the same collectives whether they overlap the next
 chunk or not (:data:`OVERLAP`), over disjoint rows, so the result is bitwise identical
@@ -32,7 +37,9 @@ per-token statistics. Where the mode does not apply (``reduction="none"``, or no
 gradient will be taken) ``vocab_parallel.loss`` runs memory-saving mode instead.
 
 Token chunks are sized from quantities every rank of the group shares (tokens, global
-vocabulary, world size), so every rank issues the same collectives in the same order.
+vocabulary, world size: an even share of the vocabulary per rank), so every rank issues
+the same collectives in the same order; a rank with a much larger shard than the even
+share holds a proportionally larger chunk.
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ OVERLAP = True
 def chunk_rows(
     tokens: int, global_size: int, world: int, device_type: str, chunk_bytes: int | None = None
 ) -> int:
-    """Token rows per chunk: an fp32 ``[rows, ceil(global_size / world)]`` chunk fits
+    """Token rows per chunk: an fp32 ``[rows, ceil(global_size / world)]`` chunk (an even
+    share of the vocabulary) fits
     ``chunk_bytes`` (the device's default), at most the device's :data:`MAX_ROWS`; at
     least one row, at most ``tokens``, a multiple of 64 when above 64. The same on every
     rank of the group."""
@@ -120,6 +128,13 @@ class GradInForwardLinearCE(torch.autograd.Function):
         if reduction == "mean":
             per_token = per_token / count.clamp(min=1).to(accum)
         token_grad = per_token.expand(bt).masked_fill(ignored, 0.0)
+        # fp16 G is rounded with a per-token gradient of 1, not 1/count: fp16's narrow
+        # range would flush small probabilities / count to zero (GradScaler's factor only
+        # arrives in the backward). The 1/count goes into the fp32 results instead.
+        post_scale = None
+        chunk_grad = token_grad
+        if hidden.dtype == torch.float16 and reduction == "mean":
+            post_scale, chunk_grad = per_token, (~ignored).to(accum)
 
         f = dict(dtype=accum, device=device)
         grad_input = torch.empty((bt, h), **f) if need_input else None
@@ -132,9 +147,10 @@ class GradInForwardLinearCE(torch.autograd.Function):
 
         rows = chunk_rows(bt, layout.global_size, world, device.type)
         # The torch backend keeps the chunk in the GEMM's own output dtype (half on a CPU
-        # with half GEMMs: nothing is lost, half the bytes) and forms G in place.
+        # with half GEMMs: nothing is lost, half the bytes) and forms G in place; not
+        # with a softcap or a bias, which are applied in fp32.
         chunk_dtype = accum
-        if backend == "torch" and opts.softcap is None:
+        if backend == "torch" and opts.softcap is None and bias is None:
             chunk_dtype = precision.product_dtype(hidden.dtype, device.type)
         chunk = torch.empty((min(rows, bt), v), dtype=chunk_dtype, device=device)
         forward_stats = backend_forward_stats(backend)
@@ -157,7 +173,7 @@ class GradInForwardLinearCE(torch.autograd.Function):
             )
             fused_gradients(
                 backend,
-                token_grad[r0:r1],
+                chunk_grad[r0:r1],
                 x_c,
                 weight,
                 bias,
@@ -199,6 +215,9 @@ class GradInForwardLinearCE(torch.autograd.Function):
             hidden, weight, bias, local_target, token_grad, logits_max, sum_exp, prob_scale
         )
         ctx.grads = [grad_input, grad_weight, grad_bias]  # handed out by the first backward
+        ctx.post_scale = post_scale
+        ctx.device_type = device.type
+        ctx.dtypes = (hidden.dtype, hidden.dtype if bias is None else bias.dtype)
         ctx.process_group, ctx.opts, ctx.backend = process_group, opts, backend
         ctx.global_size = layout.global_size
         return loss, lse
@@ -208,11 +227,12 @@ class GradInForwardLinearCE(torch.autograd.Function):
         need = ctx.needs_input_grad[:3]  # hidden, weight, bias
         grads = (None, None, None)
         if grad_loss is not None and any(need):
-            hidden, weight, bias = ctx.saved_tensors[:3]
-            with torch.no_grad(), no_autocast(hidden.device.type):
+            with torch.no_grad(), no_autocast(ctx.device_type):
                 if ctx.grads is not None:
                     grads, ctx.grads = ctx.grads, None  # ours alone now: scaled in place
-                    grads = _scaled(grads, grad_loss, (hidden, weight, bias), need)
+                    if ctx.post_scale is not None:
+                        grad_loss = grad_loss * ctx.post_scale
+                    grads = _scaled(grads, grad_loss, *ctx.dtypes, need)
                 else:
                     grads = GradInForwardLinearCE._recompute(ctx, grad_loss, need)
             if torch.is_grad_enabled():  # create_graph=True
@@ -251,14 +271,15 @@ class GradInForwardLinearCE(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
-def _scaled(grads, grad_loss, inputs, need) -> tuple:
+def _scaled(grads, grad_loss, dtype, bias_dtype, need) -> tuple:
     """The saved gradients times the upstream scalar (in place, in their fp32 or float64
-    accumulators), in the dtype of their input; None where no gradient is needed."""
+    accumulators), in the inputs' dtype (``bias_dtype`` for the bias); None where no
+    gradient is needed."""
     out = []
-    for g, t, wanted in zip(grads, inputs, need, strict=True):
+    for g, dt, wanted in zip(grads, (dtype, dtype, bias_dtype), need, strict=True):
         if g is None or not wanted:
             out.append(None)
             continue
         g.mul_(grad_loss.to(g.dtype))
-        out.append(g if g.dtype == t.dtype else g.to(t.dtype))
+        out.append(g if g.dtype == dt else g.to(dt))
     return tuple(out)

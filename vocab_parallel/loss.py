@@ -163,8 +163,8 @@ def vocab_parallel_linear_cross_entropy(
             carrying no gradient): ``(loss, lse)``.
         bias: ``[V_local]`` this rank's bias rows (dtype of ``weight``): the logits are
             ``hidden @ weight.T + bias``; it gets its gradient.
-        mode: ``"auto"`` (default): ``"grad_in_forward"`` when it applies, else
-            ``"memory_saving"``. ``"grad_in_forward"``: for a scalar loss (``"sum"``,
+        mode: ``"auto"`` (default): ``"grad_in_forward"`` when it applies (not for fp16
+            inputs), else ``"memory_saving"``. ``"grad_in_forward"``: for a scalar loss (``"sum"``,
             ``"mean"``) that will be differentiated, the forward computes the gradients
             token chunk by token chunk (three GEMMs, no recompute); the backward scales
             them by the upstream scalar (``vocab_parallel.grad_in_forward``); elsewhere it
@@ -290,7 +290,7 @@ def vocab_parallel_linear_cross_entropy(
     # Whether a backward can follow: else high-performance mode keeps no softmax.
     inputs = (h2, weight) if bias is None else (h2, weight, bias)
     track = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    mode = resolve_mode(mode, reduction, track)
+    mode = resolve_mode(mode, reduction, track, h2.dtype)
     opts = LossOptions(ignore_index, eps, mode, check_softcap(softcap), check_z_loss(z_loss))
     if mode == "grad_in_forward":
         needs = tuple(t is not None and t.requires_grad for t in (h2, weight, bias))
@@ -315,14 +315,17 @@ def vocab_parallel_linear_cross_entropy(
     return out
 
 
-def resolve_mode(mode: str, reduction: str, track: bool) -> str:
+def resolve_mode(mode: str, reduction: str, track: bool, dtype: torch.dtype | None = None) -> str:
     """The mode that runs: ``"auto"`` and ``"grad_in_forward"`` become
     ``"grad_in_forward"`` for a scalar loss that will be differentiated, else
     ``"memory_saving"`` (per-token upstream gradients are not known in the forward; without
-    a backward there is nothing to compute early). Asking for ``"grad_in_forward"`` with
-    ``reduction="none"`` warns."""
+    a backward there is nothing to compute early). ``"auto"`` also keeps fp16 inputs in
+    memory-saving mode, where GradScaler's factor reaches ``G`` before its fp16 rounding.
+    Asking for ``"grad_in_forward"`` with ``reduction="none"`` warns."""
     if mode not in ("auto", "grad_in_forward"):
         return mode
+    if mode == "auto" and dtype == torch.float16:
+        return "memory_saving"
     if reduction != "none" and track:
         return "grad_in_forward"
     if mode == "grad_in_forward" and reduction == "none":

@@ -149,7 +149,9 @@ def addmm_fp32_(
     acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``acc += a @ b`` for an fp32 ``acc``, the product accumulated in fp32 (float64
-    ``acc`` and operands: in float64).
+    ``acc`` and operands: in float64). On a CPU with half GEMMs the product of half
+    operands is rounded to half once before it is added (oneDNN has no fp32 output):
+    a sum over several calls then carries one half rounding per call.
 
     Half operands go through :func:`mm_fp32` into ``scratch`` (an fp32 buffer shaped like
     ``acc``, reused across calls) and are added: torch's in-place addmm needs operands of

@@ -18,7 +18,8 @@ The backend interface (both backends, inputs already validated):
                    on_target, smooth_all, *, need_input_grad, need_weight_grad,
                    grad_input_dtype, bias=None, softcap=None, logits=None,
                    prob_scale=None, need_bias_grad=False, reuse_logits=False,
-                   grad_input_out=None, grad_weight_acc=None, grad_bias_acc=None)
+                   grad_input_out=None, grad_weight_acc=None, grad_bias_acc=None,
+                   accumulate=True)
 
 ``local_target`` is int64 ``[BT]``: the target's column in this shard, -1 where the row's
 target is not on this shard (or is ignored). The logits are ``z = cap(x @ W.T + bias)``
@@ -103,9 +104,16 @@ def gradient_products(
     gi_dtype = grad_input_dtype or dtype
     # H = 0: empty products, but the bias alone still makes logits (and a bias gradient).
     if bt == 0 or v == 0 or (h == 0 and not need_bias_grad):
-        gi = torch.zeros((bt, h), dtype=gi_dtype, device=device) if need_input_grad else None
-        gw = torch.zeros((v, h), dtype=dtype, device=device) if need_weight_grad else None
-        gb = torch.zeros(v, dtype=bias_grad_dtype, device=device) if need_bias_grad else None
+        # No products: zeros, in the caller's buffers where it gave them (a written
+        # grad_input, fresh accumulators; accumulators being added to stay as they are).
+        def zeros(buf, add, shape, dt):
+            if buf is None:
+                return torch.zeros(shape, dtype=dt, device=device)
+            return buf if add else buf.zero_()
+
+        gi = zeros(grad_input_out, False, (bt, h), gi_dtype) if need_input_grad else None
+        gw = zeros(grad_weight_acc, accumulate, (v, h), dtype) if need_weight_grad else None
+        gb = zeros(grad_bias_acc, accumulate, v, bias_grad_dtype) if need_bias_grad else None
         return (gi, gw, gb) if need_bias_grad else (gi, gw)
 
     operand = precision.operand_dtype(dtype, device.type)
@@ -144,7 +152,7 @@ def gradient_products(
             if v0 == 0:
                 precision.mm_fp32(g, w_op, out=acc)
             else:
-                tmp = None if operand == torch.float32 else scratch[: bt * h].view(bt, h)
+                tmp = None if operand == accum else scratch[: bt * h].view(bt, h)
                 precision.addmm_fp32_(acc, g, w_op, scratch=tmp)
         if need_weight_grad and acc_w is not None and accumulate:
             tmp = None if operand == accum else scratch[: (v1 - v0) * h].view(v1 - v0, h)

@@ -83,6 +83,21 @@ def _refuse_double_backward(grads: tuple, anchors: tuple) -> tuple:
     return tuple(grads)
 
 
+def guarded_backward(ctx, grad_loss, compute) -> tuple:
+    """``(grad_hidden, grad_weight, grad_bias)`` of a loss Function whose first three inputs
+    are hidden, weight, bias: ``compute(need)`` (``need``: which of them want a gradient)
+    under no_grad and without autocast (on ``ctx.device_type``), nothing when no gradient
+    is wanted, and with ``create_graph=True`` results whose own backward refuses."""
+    need = ctx.needs_input_grad[:3]
+    grads = (None, None, None)
+    if grad_loss is not None and any(need):
+        with torch.no_grad(), no_autocast(ctx.device_type):
+            grads = compute(need)
+        if torch.is_grad_enabled():  # create_graph=True
+            grads = _refuse_double_backward(grads, ctx.saved_tensors[:3])
+    return grads
+
+
 @dataclass(frozen=True)
 class LossOptions:
     """The options of the loss's math, validated: what the Function needs besides tensors."""
@@ -258,19 +273,14 @@ class VocabParallelLinearCE(torch.autograd.Function):
                 prob_scale,
             )
         ctx.process_group, ctx.opts, ctx.backend = process_group, opts, backend
-        ctx.global_size = layout.global_size
+        ctx.global_size, ctx.device_type = layout.global_size, hidden.device.type
         return loss, lse_out
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        need = ctx.needs_input_grad[:3]  # hidden, weight, bias
-        grads = (None, None, None)
-        if grad_loss is not None and any(need):
-            hidden = ctx.saved_tensors[0]
-            with torch.no_grad(), no_autocast(hidden.device.type):
-                grads = VocabParallelLinearCE._gradients(ctx, grad_loss, *need)
-            if torch.is_grad_enabled():  # create_graph=True
-                grads = _refuse_double_backward(grads, ctx.saved_tensors[:3])
+        grads = guarded_backward(
+            ctx, grad_loss, lambda need: VocabParallelLinearCE._gradients(ctx, grad_loss, *need)
+        )
         return (*grads, None, None, None, None, None, None)
 
     @staticmethod

@@ -48,8 +48,8 @@ import torch
 
 from vocab_parallel import precision
 from vocab_parallel.autograd import (
-    _refuse_double_backward,
     fused_gradients,
+    guarded_backward,
     local_targets,
     no_autocast,
     reduce_statistics,
@@ -224,19 +224,14 @@ class GradInForwardLinearCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        need = ctx.needs_input_grad[:3]  # hidden, weight, bias
-        grads = (None, None, None)
-        if grad_loss is not None and any(need):
-            with torch.no_grad(), no_autocast(ctx.device_type):
-                if ctx.grads is not None:
-                    grads, ctx.grads = ctx.grads, None  # ours alone now: scaled in place
-                    if ctx.post_scale is not None:
-                        grad_loss = grad_loss * ctx.post_scale
-                    grads = _scaled(grads, grad_loss, *ctx.dtypes, need)
-                else:
-                    grads = GradInForwardLinearCE._recompute(ctx, grad_loss, need)
-            if torch.is_grad_enabled():  # create_graph=True
-                grads = _refuse_double_backward(grads, ctx.saved_tensors[:3])
+        def compute(need):
+            if ctx.grads is None:  # handed out already: a second backward of the graph
+                return GradInForwardLinearCE._recompute(ctx, grad_loss, need)
+            grads, ctx.grads = ctx.grads, None  # ours alone now: scaled in place
+            scale = grad_loss if ctx.post_scale is None else grad_loss * ctx.post_scale
+            return _scaled(grads, scale, *ctx.dtypes, need)
+
+        grads = guarded_backward(ctx, grad_loss, compute)
         return (*grads, None, None, None, None, None, None, None)
 
     @staticmethod

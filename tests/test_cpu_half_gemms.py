@@ -25,8 +25,18 @@ def native(monkeypatch):
     precision.set_cpu_half_gemms(None)
 
 
-def test_decision_follows_what_torch_reports(monkeypatch):
-    monkeypatch.delenv(precision.CPU_HALF_ENV, raising=False)
+@pytest.fixture
+def fresh_env(monkeypatch):
+    """The environment variable is read once per process: re-read it in this test."""
+    precision._env_choice.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    precision._env_choice.cache_clear()
+
+
+def test_decision_follows_what_torch_reports(fresh_env):
+    fresh_env.delenv(precision.CPU_HALF_ENV, raising=False)
+    precision._env_choice.cache_clear()
     caps = torch.cpu.get_capabilities()
     has_bf16 = bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
     onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -38,10 +48,12 @@ def test_decision_follows_what_torch_reports(monkeypatch):
     assert not precision.cpu_has_half_units(torch.float32)
 
 
-def test_environment_and_override(monkeypatch):
-    monkeypatch.setenv(precision.CPU_HALF_ENV, "0")
+def test_environment_and_override(fresh_env):
+    fresh_env.setenv(precision.CPU_HALF_ENV, "0")
+    precision._env_choice.cache_clear()
     assert precision.operand_dtype(torch.bfloat16, "cpu") == torch.float32
-    monkeypatch.setenv(precision.CPU_HALF_ENV, "1")
+    fresh_env.setenv(precision.CPU_HALF_ENV, "1")
+    precision._env_choice.cache_clear()
     assert precision.operand_dtype(torch.bfloat16, "cpu") == torch.bfloat16
     assert precision.operand_dtype(torch.float16, "cpu") == torch.float16
     precision.set_cpu_half_gemms(False)

@@ -165,6 +165,22 @@ def reduce_statistics(
     return loss, lse, logits_max, sum_exp
 
 
+def z_loss_scale(lse: torch.Tensor, z_loss: float) -> torch.Tensor | None:
+    """The softmax's factor in ``G`` under z-loss, ``1 + 2 w lse`` per token (None
+    without z-loss)."""
+    return 1.0 + (2.0 * z_loss) * lse if z_loss else None
+
+
+def sum_grad_input(
+    grad_input: torch.Tensor | None, process_group, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """This rank's partial ``grad_input`` summed over the group (fp32, in place), in
+    ``dtype``; None stays None."""
+    if grad_input is None:
+        return None
+    return all_reduce(grad_input, "SUM", process_group, "grad_input").to(dtype)
+
+
 def fused_gradients(
     backend: str,
     grad: torch.Tensor,
@@ -259,7 +275,7 @@ class VocabParallelLinearCE(torch.autograd.Function):
             else:  # recompute (memory-saving), or exp of the saved capped logits
                 logits, stats_max, stats_sum = saved, logits_max, sum_exp
             # z-loss: the softmax's factor in G, 1 + 2 w lse (ignored rows get grad 0).
-            prob_scale = 1.0 + (2.0 * z_loss) * lse if z_loss else None
+            prob_scale = z_loss_scale(lse, z_loss)
             ctx.save_for_backward(
                 hidden,
                 weight,
@@ -311,7 +327,4 @@ class VocabParallelLinearCE(torch.autograd.Function):
             need_bias=need_bias,
             grad_input_dtype=accum if tp else None,
         )
-        if tp and grad_input is not None:
-            grad_input = all_reduce(grad_input, "SUM", ctx.process_group, "grad_input")
-            grad_input = grad_input.to(hidden.dtype)
-        return grad_input, grad_weight, grad_bias
+        return sum_grad_input(grad_input, ctx.process_group, hidden.dtype), grad_weight, grad_bias

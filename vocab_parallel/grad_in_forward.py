@@ -54,6 +54,8 @@ from vocab_parallel.autograd import (
     no_autocast,
     reduce_statistics,
     stats_options,
+    sum_grad_input,
+    z_loss_scale,
 )
 from vocab_parallel.distributed import all_reduce, all_reduce_async, world_size
 from vocab_parallel.ops import backend_forward_stats
@@ -112,8 +114,7 @@ class GradInForwardLinearCE(torch.autograd.Function):
     def _forward(
         ctx, hidden, weight, bias, target, process_group, layout, opts, backend, reduction, needs
     ):
-        need_input, need_weight, need_bias = needs
-        need_bias = need_bias and bias is not None
+        need_input, need_weight, need_bias = needs  # need_bias: False without a bias
         local_target, ignored = local_targets(target, layout, opts.ignore_index)
         bt, h = hidden.shape
         v = weight.shape[0]
@@ -166,11 +167,6 @@ class GradInForwardLinearCE(torch.autograd.Function):
             logits_max[r0:r1], sum_exp[r0:r1] = max_c, sum_c
             if not (need_input or need_weight or need_bias):
                 continue
-            buffers = dict(
-                grad_input_out=None if grad_input is None else grad_input[r0:r1],
-                grad_weight_acc=grad_weight,
-                grad_bias_acc=grad_bias,
-            )
             fused_gradients(
                 backend,
                 chunk_grad[r0:r1],
@@ -183,14 +179,16 @@ class GradInForwardLinearCE(torch.autograd.Function):
                 logits=z_c,
                 logits_max=max_c,
                 sum_exp=sum_c,
-                prob_scale=1.0 + (2.0 * opts.z_loss) * lse_c if opts.z_loss else None,
+                prob_scale=z_loss_scale(lse_c, opts.z_loss),
                 need_input=need_input,
                 need_weight=need_weight,
                 need_bias=need_bias,
                 grad_input_dtype=accum,
                 reuse_logits=True,
+                grad_input_out=None if grad_input is None else grad_input[r0:r1],
+                grad_weight_acc=grad_weight,
+                grad_bias_acc=grad_bias,
                 accumulate=r0 > 0,  # the first chunk writes the (empty) accumulators
-                **buffers,
             )
             if tp and need_input:
                 rows_gi = grad_input[r0:r1]
@@ -210,7 +208,7 @@ class GradInForwardLinearCE(torch.autograd.Function):
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         # What a second backward (retain_graph=True) needs to recompute the gradients.
-        prob_scale = 1.0 + (2.0 * opts.z_loss) * lse if opts.z_loss else None
+        prob_scale = z_loss_scale(lse, opts.z_loss)
         ctx.save_for_backward(
             hidden, weight, bias, local_target, token_grad, logits_max, sum_exp, prob_scale
         )
@@ -259,10 +257,7 @@ class GradInForwardLinearCE(torch.autograd.Function):
             need_bias=need[2],
             grad_input_dtype=accum if tp else None,
         )
-        if tp and grad_input is not None:
-            grad_input = all_reduce(grad_input, "SUM", ctx.process_group, "grad_input")
-        if grad_input is not None:
-            grad_input = grad_input.to(hidden.dtype)
+        grad_input = sum_grad_input(grad_input, ctx.process_group, hidden.dtype)
         return grad_input, grad_weight, grad_bias
 
 

@@ -67,15 +67,23 @@ def set_cpu_half_gemms(enabled: bool | None) -> None:
 
 def cpu_half_gemms(dtype: torch.dtype) -> bool:
     """Whether products of ``dtype`` (bf16/fp16) operands run natively on this CPU: the
-    override, else ``VOCAB_PARALLEL_CPU_HALF_GEMMS`` ("0"/"1"), else what the CPU has."""
+    override, else ``VOCAB_PARALLEL_CPU_HALF_GEMMS`` ("0"/"1", read once per process),
+    else what the CPU has. Called for every product: nothing here is recomputed."""
     if _CPU_HALF_OVERRIDE is not None:
         return _CPU_HALF_OVERRIDE
+    forced = _env_choice()
+    return cpu_has_half_units(dtype) if forced is None else forced
+
+
+@functools.cache
+def _env_choice() -> bool | None:
+    """``VOCAB_PARALLEL_CPU_HALF_GEMMS`` as read once per process (None: unset)."""
     env = os.environ.get(CPU_HALF_ENV, "").strip().lower()
     if env in ("0", "false", "no", "off"):
         return False
     if env in ("1", "true", "yes", "on"):
         return True
-    return cpu_has_half_units(dtype)
+    return None
 
 
 @functools.cache

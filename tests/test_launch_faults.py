@@ -549,3 +549,237 @@ def test_verify_options_are_checked(tmp_path, argv, text, named, capsys):
 def test_verify_configs_still_valid(name):
     opts = verify.parse_args(["--config", str(config.ROOT / "configs" / name)])
     assert opts["timeout_s"] > 0 and opts["dtypes"]
+
+
+# ---------------------------------------------------------------- meta.json, imports, lock
+
+
+def _edit_meta(folder: Path, **changes) -> None:
+    """Edit ``folder/meta.json`` by hand, as a user would (its checksum left as it was)."""
+    path = folder / "meta.json"
+    meta = json.loads(path.read_text())
+    meta.update(changes)
+    path.write_text(json.dumps(meta))
+
+
+def test_resume_refuses_a_meta_json_edited_to_another_step(
+    tp2_checkpoint, corpus_and_cache, tmp_path
+):
+    """``"step": 3`` edited to 5 in the checkpoint of step 3: --resume would continue at
+    step 5 from step 3's model (skipping steps 4 and 5, "resumed from step 5" naming a
+    folder that does not exist). It must stop every rank before training, once, naming
+    the file and the two steps."""
+    run_dir = _copy_run(tp2_checkpoint, tmp_path)
+    folder = run_dir / "checkpoints" / "step_000003"
+    _edit_meta(folder, step=5)
+    rc, out = run_train(2, _resume_args(run_dir, corpus_and_cache, ["--tp", "2"]))
+    assert rc != 0, out[-4000:]
+    assert "resumed from step" not in out and "step 4/" not in out, out[-4000:]
+    expected = f"--resume: {folder / 'meta.json'} says step 5, but its folder is step_000003"
+    assert out.count(expected) == 1, out[-4000:]
+    assert "does not match the SHA-256 recorded in it" in out, out[-4000:]
+
+
+def _saved_meta(tmp_path: Path, step: int = 4) -> Path:
+    """A checkpoint folder whose meta.json is written as a save writes it."""
+    root = tmp_path / "checkpoints"
+    folder = root / f"step_{step:06d}"
+    folder.mkdir(parents=True)
+    history = {"step": list(range(1, step + 1)), "loss": [1.0] * step, "grad_norm": [0.5] * step,
+               "lr": [1e-3] * step, "val": []}  # fmt: skip
+    meta = {"step": step, "history": history, "options": {}, "world": 1, "run_id": "r",
+            "files": {}}  # fmt: skip
+    checkpoints.write_meta(folder, meta)
+    (root / "latest").write_text(folder.name)
+    return root
+
+
+def test_meta_json_is_checked_against_its_checksum_and_folder(tmp_path, caplog):
+    """A meta.json as saved reads back; any hand edit (even one that keeps the step
+    consistent) breaks its checksum; a checksum recomputed after the edit still cannot
+    hide a step that differs from its folder's or from the history's last step."""
+    root = _saved_meta(tmp_path)
+    tag, meta = checkpoints.read_meta(root)
+    assert (tag, meta["step"]) == ("step_000004", 4)
+
+    _edit_meta(root / tag, history={**meta["history"], "loss": [2.0] * 4})
+    with pytest.raises(SystemExit, match="does not match the SHA-256 recorded in it"):
+        checkpoints.read_meta(root)
+
+    checkpoints.write_meta(root / tag, {**meta, "step": 7})  # a consistent checksum
+    with pytest.raises(SystemExit, match=r"says step 7, but its folder is step_000004") as exc:
+        checkpoints.read_meta(root)
+    assert "its history ends at step 4" in str(exc.value)
+
+    legacy = {k: v for k, v in meta.items() if k != "meta_sha256"}  # an older launcher's
+    (root / tag / "meta.json").write_text(json.dumps(legacy))
+    with caplog.at_level("WARNING", logger="train"):
+        assert checkpoints.read_meta(root)[1]["step"] == 4
+    assert "records no checksum of its own" in caplog.text
+    (root / tag / "meta.json").write_text(json.dumps({**legacy, "step": 5}))
+    with pytest.raises(SystemExit, match="says step 5, but its folder is step_000004"):
+        checkpoints.read_meta(root)
+
+
+def _blocked_module(tmp_path: Path, name: str) -> dict:
+    """An environment in which ``import name`` fails as if it were not installed: a
+    package of that name first on the path, whose import raises ModuleNotFoundError."""
+    folder = tmp_path / "blocked" / name
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text(
+        f"raise ModuleNotFoundError(\"No module named '{name}'\", name={name!r})\n"
+    )
+    return {"PYTHONPATH": str(folder.parent)}
+
+
+def test_missing_matplotlib_stops_the_run_before_training(warm_cache, tmp_path):
+    """Without matplotlib the run used to train to the end, then exit 1 with a traceback
+    from the plot and no summary.json. Every import the run needs happens before the
+    first step: it must stop at once, naming the package and the extra that provides it."""
+    run_dir = tmp_path / "run"
+    args = [*common(warm_cache), "--tp", "2", "--steps", "3", "--run-dir", str(run_dir)]
+    rc, out = run_train(2, args, extra_env=_blocked_module(tmp_path, "matplotlib"), timeout=120)
+    assert rc != 0, out[-4000:]
+    assert "step 1/" not in out and "train:" not in out, out[-4000:]
+    message = "the run needs matplotlib (rank 0: the loss-curve plot), which does not import"
+    assert out.count(message) == 1, out[-4000:]
+    assert "pip install -e '.[train]'" in out, out[-4000:]
+    assert not (run_dir / "train.log").exists()
+
+
+def test_the_plot_comes_after_summary_json(tmp_path, monkeypatch):
+    """finish() writes summary.json before the plot: a plot that fails at the end of a
+    long run (a full disk, a broken font cache) loses the picture, not the numbers."""
+    from launch import report
+
+    def broken_plot(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(report, "plot", broken_plot)
+    history = {"step": [1, 2], "loss": [3.0, 2.0], "grad_norm": [1.0, 1.0], "lr": [1e-3, 1e-3],
+               "val": [[2, 2.5]]}  # fmt: skip
+    run = type("Run", (), {"history": history, "tokens_per_step": 8, "timed_steps": 1,
+                           "timed_seconds": 0.5})()  # fmt: skip
+    groups = type("Groups", (), {"tp_size": 1, "dp_size": 1})()
+    o = {"run_dir": str(tmp_path), "steps": 2, "engine": "torch", "sequence_parallel": False,
+         "tp_style": "shards", "d_model": 8, "n_layers": 1, "vocab_size": 300,
+         "dtype": "float32"}  # fmt: skip
+    with pytest.raises(OSError, match="no space left"):
+        report.finish(o, run, {}, groups, world=1, backend="gloo", device=torch.device("cpu"),
+                      peak=1.0, in_sync=True, wall=1.0)  # fmt: skip
+    assert json.loads((tmp_path / "summary.json").read_text())["final_train_loss"] == 2.0
+
+
+def test_second_run_on_a_run_dir_in_use_is_refused(warm_cache, tmp_path):
+    """Run A trains in run_dir; run B (2 ranks, --overwrite) is started on the same
+    run_dir. B used to start, truncate A's train.log and delete A's checkpoints. It must
+    stop on both of its ranks alike, saying once which run (pid, host) holds the
+    directory, and leave A's files alone."""
+    import socket
+
+    run_dir = tmp_path / "run"
+    base = [*common(warm_cache), "--tp", "1", "--run-dir", str(run_dir)]
+    proc = start_torchrun(1, [*base, "--steps", "1000000", "--log-every", "1", "--save-every",
+                              "2", "--keep-checkpoints", "0"])  # fmt: skip
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        log = run_dir / "train.log"
+        _wait_for(lambda: (run_dir / "checkpoints" / "latest").exists(), 120,
+                  "run A's first checkpoint", output)  # fmt: skip
+        holder = [pid for pid in _children(proc.pid) if _rank_of(pid) == 0]
+        assert len(holder) == 1, holder
+        rc, out = run_train(2, [*base, "--steps", "2", "--overwrite"], timeout=120)
+        assert rc != 0, out[-4000:]
+        expected = (f"run_dir {run_dir} is in use by another run (pid {holder[0]} on host "
+                    f"{socket.gethostname()}")  # fmt: skip
+        assert out.count(expected) == 1, out[-4000:]
+        assert "step 1/" not in out, out[-4000:]
+        assert (run_dir / "checkpoints" / "step_000002").is_dir()
+        assert "step 1/" in log.read_text()  # not truncated by B
+        assert proc.poll() is None, "".join(output)[-4000:]
+    finally:
+        kill_group(proc)
+        proc.wait(timeout=60)
+
+
+def _hold_lock_in_subprocess(run_dir: Path):
+    """A process that takes ``run_dir``'s lock and waits (killed by the caller)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from launch.run_lock import acquire; "
+            "acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=config.ROOT,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_run_lock_names_its_holder_and_is_taken_over_when_it_is_gone(tmp_path):
+    """A held lock is an error naming the directory, the holder's pid and host; once the
+    holder is killed (no chance to clean up) the next run takes the lock and says whose
+    it was; a lock released normally leaves no file behind."""
+    import socket
+
+    from launch import run_lock
+
+    run_dir = tmp_path / "run"
+    holder = _hold_lock_in_subprocess(run_dir)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            run_lock.acquire(run_dir)
+        message = str(exc.value)
+        assert message.startswith(f"run_dir {run_dir} is in use by another run (pid "
+                                  f"{holder.pid} on host {socket.gethostname()}")  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = run_lock.acquire(run_dir)
+    assert lock.stale is not None and f"pid {holder.pid}" in lock.stale
+    with pytest.raises(SystemExit, match=f"pid {os.getpid()}"):
+        run_lock.acquire(run_dir)  # another open file description, same process
+    lock.release()
+    assert not (run_dir / run_lock.LOCK_NAME).exists()
+    again = run_lock.acquire(run_dir)
+    assert again.stale is None
+    again.release()
+
+
+def _refused_run_dir(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_000004").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step_000004")
+    return run_dir
+
+
+def test_refused_run_says_why_once(corpus_and_cache, tmp_path):
+    """A run refused on 2 ranks (a run_dir with checkpoints) prints its reason once, not
+    once per rank."""
+    run_dir = _refused_run_dir(tmp_path)
+    args = [*common(corpus_and_cache), "--tp", "2", "--run-dir", str(run_dir)]
+    rc, out = run_train(2, args, timeout=120)
+    assert rc != 0
+    assert out.count(f"run_dir {run_dir} already holds checkpoints") == 1, out[-4000:]
+
+
+@pytest.mark.skipif(not (config.ROOT / ".venv" / "bin" / "python").exists(),
+                    reason="scripts/main.sh runs the repository's .venv")  # fmt: skip
+def test_main_sh_ends_a_refused_run_with_its_reason(tmp_path):
+    """scripts/main.sh: whatever torchrun prints after a refused rank exits (its
+    ChildFailedError report), the last thing the user reads is the reason."""
+    import subprocess
+
+    from launch_helpers import ROOT, train_env
+
+    run_dir = _refused_run_dir(tmp_path)
+    proc = subprocess.run(["bash", "scripts/main.sh", "--run-dir", str(run_dir)], cwd=ROOT,
+                          env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=180)  # fmt: skip
+    assert proc.returncode != 0
+    out = proc.stdout
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert "ChildFailedError" in out, out[-4000:]  # torchrun's report is there, but before
+    assert out.count(f"run_dir {run_dir} already holds checkpoints") == 2, out[-4000:]
+    assert f"error: run_dir {run_dir} already holds checkpoints" in lines[-1], out[-4000:]

@@ -16,6 +16,12 @@ checkpoint is complete when ``latest`` names it, so a crash while saving leaves 
 previous one in force), pruning old checkpoints, and refusing to resume from a
 checkpoint that is damaged or with options that would not reproduce the interrupted run.
 
+``meta.json`` covers itself too: it records the SHA-256 of its own content
+(``meta_sha256``, over the canonical JSON of every other key), and its step must be its
+folder's and its history's last. A hand edit (``"step": 10`` made 15 would resume at
+step 15 from step 10's model, skipping five steps) is an error at ``--resume``, on every
+rank, before anything trains.
+
 One run directory holds one run: a new run refuses to start where another run's
 checkpoints are (:func:`check_run_dir`) unless told to continue it (``--resume``, which
 keeps its run id) or to delete them (``--overwrite``, :func:`overwrite_run_dir`), and
@@ -35,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launch.dist_env import collective
+from launch.dist_env import RunRefused, agree, collective
 
 # Keys that must match between a checkpoint and the run resuming it.
 RESUME_MUST_MATCH = (
@@ -89,7 +95,7 @@ def check_run_dir(o: dict) -> None:
     if found:
         names = ", ".join(str(p.relative_to(root)) for p in found[:4])
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""
-        raise SystemExit(
+        raise RunRefused(
             f"run_dir {o['run_dir']} already holds checkpoints of an earlier run in {root} "
             f"({names}{more}): pass --resume to continue that run, or --overwrite to delete "
             "them and start a new one (or choose another --run-dir)"
@@ -119,6 +125,23 @@ def sha256_of(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def meta_digest(meta: dict) -> str:
+    """SHA-256 of ``meta`` (but its own ``meta_sha256``) as canonical JSON: sorted keys, no
+    spaces, so that it does not depend on how the file was formatted."""
+    rest = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(
+        json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+def write_meta(folder: Path, meta: dict) -> None:
+    """Write ``folder/meta.json`` (atomically) with the SHA-256 of its content in it. The
+    digest is of the content as it reads back (tuples as lists), so a reader recomputes it
+    from what it loads."""
+    loaded = json.loads(json.dumps({k: v for k, v in meta.items() if k != "meta_sha256"}))
+    _write_atomic(folder / "meta.json", json.dumps({**loaded, "meta_sha256": meta_digest(loaded)}))
 
 
 def checkpoint_files(root: Path, tag: str, names) -> list[str]:
@@ -183,7 +206,7 @@ def save_checkpoint(o: dict, runners: dict, step: int, history: dict, run_id: st
     if rank == 0:
         meta = {"step": step, "history": history, "options": o, "world": dist.get_world_size(),
                 "run_id": run_id, "files": files}  # fmt: skip
-        _write_atomic(folder / "meta.json", json.dumps(meta))
+        write_meta(folder, meta)
         for name in runners:
             _write_atomic(root / SUBDIR[name] / "latest", tag)
         prune_checkpoints(root, o["keep_checkpoints"], run_id)
@@ -193,9 +216,13 @@ def save_checkpoint(o: dict, runners: dict, step: int, history: dict, run_id: st
 
 
 def run_id_of(folder: Path) -> str | None:
-    """The run id in ``folder/meta.json`` (None: none, or no readable meta.json)."""
+    """The run id in ``folder/meta.json`` (None: none, no readable meta.json, or one that
+    does not match its own checksum: pruning never deletes what it cannot vouch for)."""
     try:
-        return json.loads((folder / "meta.json").read_text()).get("run_id")
+        meta = json.loads((folder / "meta.json").read_text())
+        if "meta_sha256" in meta and meta["meta_sha256"] != meta_digest(meta):
+            return None
+        return meta.get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -216,22 +243,45 @@ def prune_checkpoints(root: Path, keep: int, run_id: str) -> None:
 
 
 def read_meta(root: Path) -> tuple[str, dict]:
-    """The tag ``latest`` names and its ``meta.json``; a clear exit where either is missing
-    or unreadable."""
+    """The tag ``latest`` names and its ``meta.json`` (without its ``meta_sha256``); a
+    clear exit (:class:`RunRefused`) where either is missing, unreadable, not as saved
+    (its checksum), or inconsistent with its folder (the step)."""
     latest = root / "latest"
     if not latest.exists():
-        raise SystemExit(f"--resume: no checkpoint in {root}")
+        raise RunRefused(f"--resume: no checkpoint in {root}")
     tag = latest.read_text().strip()
     path = root / tag / "meta.json"
     if not tag or not (root / tag).is_dir():
-        raise SystemExit(f"--resume: {latest} names {tag!r}, which is not a folder of {root}")
+        raise RunRefused(f"--resume: {latest} names {tag!r}, which is not a folder of {root}")
     try:
         meta = json.loads(path.read_text())
         if not isinstance(meta, dict) or not {"step", "history", "options", "world"} <= set(meta):
             raise ValueError("not a checkpoint's meta.json")
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"--resume: {path} is missing or damaged: {exc}") from None
-    return tag, meta
+        raise RunRefused(f"--resume: {path} is missing or damaged: {exc}") from None
+    problems = []
+    step, history = meta["step"], meta["history"]
+    steps = history.get("step") if isinstance(history, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step != step_of(root / tag):
+        problems.append(f"says step {step!r}, but its folder is {tag}")
+    if not isinstance(steps, list) or not steps or steps[-1] != step:
+        last = steps[-1] if isinstance(steps, list) and steps else None
+        problems.append(f"its history ends at step {last!r}, not at step {step!r}")
+    if "meta_sha256" not in meta:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning(f"--resume: {path} records no checksum of its own (written by an "
+                        "older launcher): its content is not verified")  # fmt: skip
+    elif meta["meta_sha256"] != meta_digest(meta):
+        problems.append("its content does not match the SHA-256 recorded in it (edited or "
+                        "damaged since it was saved)")  # fmt: skip
+    if problems:
+        raise RunRefused(
+            f"--resume: {path} {problems[0]}"
+            + "".join(f"; {p}" for p in problems[1:])
+            + ": not resuming from a checkpoint whose record is not the one its save wrote "
+            "(restore the file, or start anew with --overwrite)"
+        )
+    return tag, {k: v for k, v in meta.items() if k != "meta_sha256"}
 
 
 def verify_files(root: Path, meta: dict) -> None:
@@ -241,7 +291,7 @@ def verify_files(root: Path, meta: dict) -> None:
     files = meta.get("files")
     errors = []
     if files is not None and not isinstance(files, dict):
-        raise SystemExit(f"--resume: {root} meta.json: damaged list of files")
+        raise RunRefused(f"--resume: {root} meta.json: damaged list of files")
     if files is None:
         if rank == 0:
             log.warning("--resume: this checkpoint records no checksums (written by an older "
@@ -261,7 +311,7 @@ def verify_files(root: Path, meta: dict) -> None:
         dist.all_gather_object(gathered, errors)
     errors = [e for part in gathered for e in part]
     if errors:
-        raise SystemExit(
+        raise RunRefused(
             "--resume: the checkpoint's files do not match the checksums in its meta.json "
             "(damaged or modified since they were saved):\n  " + "\n  ".join(errors)
         )
@@ -271,21 +321,34 @@ def open_checkpoint(o: dict) -> tuple[str, dict]:
     """The latest checkpoint's tag and ``meta.json``, once it is known to be resumable
     (collective): options and world as the checkpoint's, its step not beyond ``steps``,
     every file as saved. Called before the data and the models are made, so that a
-    checkpoint that cannot be resumed stops the run at once."""
+    checkpoint that cannot be resumed stops the run at once. Each rank reads the files;
+    what any rank finds wrong stops every rank alike (:func:`agree`)."""
     root = checkpoint_root(o)
-    tag, meta = read_meta(root)
-    saved = meta["options"]
-    different = {k: (saved.get(k), o[k]) for k in RESUME_MUST_MATCH if saved.get(k) != o[k]}
-    if different:
-        raise SystemExit(f"--resume: options differ from the checkpoint's: {different}")
-    if meta["world"] != dist.get_world_size():
-        raise SystemExit(f"--resume: checkpoint has {meta['world']} ranks, this run has "
-                         f"{dist.get_world_size()}")  # fmt: skip
-    if meta["step"] > o["steps"]:
-        raise SystemExit(f"--resume: the checkpoint is at step {meta['step']}, beyond --steps "
-                         f"{o['steps']}")  # fmt: skip
+    try:
+        tag, meta = read_meta(root)
+        _check_resumable(o, meta)
+        problem = None
+    except RunRefused as exc:
+        problem = str(exc)
+    agree(problem, "the checkpoint's meta.json")
     verify_files(root, meta)
     return tag, meta
+
+
+def _check_resumable(o: dict, meta: dict) -> None:
+    """Refuse a checkpoint whose options or world would not continue the run it saved."""
+    saved = meta["options"]
+    if not isinstance(saved, dict):
+        raise RunRefused(f"--resume: the checkpoint's options are damaged: {saved!r:.80}")
+    different = {k: (saved.get(k), o[k]) for k in RESUME_MUST_MATCH if saved.get(k) != o[k]}
+    if different:
+        raise RunRefused(f"--resume: options differ from the checkpoint's: {different}")
+    if meta["world"] != dist.get_world_size():
+        raise RunRefused(f"--resume: checkpoint has {meta['world']} ranks, this run has "
+                         f"{dist.get_world_size()}")  # fmt: skip
+    if meta["step"] > o["steps"]:
+        raise RunRefused(f"--resume: the checkpoint is at step {meta['step']}, beyond --steps "
+                         f"{o['steps']}")  # fmt: skip
 
 
 def load_checkpoint(o: dict, runners: dict, tag: str, meta: dict) -> tuple[int, dict, str]:

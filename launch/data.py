@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from launch.config import ROOT
-from launch.dist_env import collective
+from launch.dist_env import RunRefused, collective
 
 # Bump when the tokenizer recipe or the token file format changes: it is part of the
 # cache key, so old caches are ignored rather than misread.
@@ -244,5 +244,5 @@ def load_data(o: dict, rank: int, device: torch.device) -> tuple[TokenData, dict
         dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
     tokens, info = payload
     if tokens is None:
-        raise SystemExit(f"data: {info}")
+        raise RunRefused(f"data: {info}")
     return TokenData(tokens, o["val_fraction"]), info

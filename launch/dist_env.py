@@ -14,6 +14,13 @@ same timeout as the default group, and every collective the launcher itself call
 inside :func:`collective`, so that a rank that died or stopped makes the others fail
 within ``timeout_s`` with a :class:`CollectiveError` that names the collective and the
 group (its ranks), rather than hang or print a bare transport error.
+
+A run refused before it trains (a run directory in use, a checkpoint that cannot be
+resumed, a missing package) raises :class:`RunRefused` on every rank alike: either the
+reason depends only on what every rank shares (the options, the world size, what rank 0
+broadcast), or the ranks' own findings went through :func:`agree` first. So the reason
+is printed once (by rank 0) and no rank is left waiting in a collective that the others
+will never reach.
 """
 
 from __future__ import annotations
@@ -35,6 +42,44 @@ _timeout_s: float | None = None
 
 # The library's: a failed collective of the loss and one of the launcher end the same way.
 CollectiveError = distributed.CollectiveError
+
+
+class RunRefused(SystemExit):
+    """The run stops before training, for a reason every rank raises alike (see the module
+    docstring): ``str()`` is the reason. A ``SystemExit`` (exit status 1, the reason on
+    stderr) wherever it is not caught; ``train.py`` prints it once, on rank 0."""
+
+    def __str__(self) -> str:
+        return str(self.code)
+
+
+def agree(problem: str | None, what: str, *, rank0_only: bool = False) -> None:
+    """Every rank's finding about ``what`` (``None``: fine), gathered (collective): where
+    any rank found a problem, :class:`RunRefused` on every rank, with each distinct reason
+    once (and the ranks that found it, where not all did). ``rank0_only``: rank 0 checked
+    for every rank (the others pass ``None``), and its reason is everyone's."""
+    world = dist.get_world_size()
+    found: list[str | None] = [None] * world
+    if rank0_only:
+        head = [problem]
+        with collective(f"broadcast of rank 0's check of {what}", None):
+            dist.broadcast_object_list(head, src=0)
+        found = head * world
+    else:
+        with collective(f"all-gather of the ranks' checks of {what}", None):
+            dist.all_gather_object(found, problem)
+    reasons: dict[str, list[int]] = {}
+    for rank, reason in enumerate(found):
+        if reason is not None:
+            reasons.setdefault(reason, []).append(rank)
+    if not reasons:
+        return
+    if len(reasons) == 1 and len(next(iter(reasons.values()))) == world:
+        raise RunRefused(next(iter(reasons)))
+    raise RunRefused("\n".join(
+        reason if len(ranks) == world else f"rank{'s' * (len(ranks) > 1)} "
+        f"{', '.join(map(str, ranks))}: {reason}" for reason, ranks in reasons.items()
+    ))  # fmt: skip
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -112,7 +157,7 @@ def init_groups(o: dict) -> ParallelGroups:
     (not torch's 30 minutes for new groups) on every one of them."""
     world = dist.get_world_size()
     if world % o["tp"]:
-        raise SystemExit(
+        raise RunRefused(
             f"tp {o['tp']} does not divide the world size {world}: start a multiple of "
             f"{o['tp']} ranks (torchrun --nproc-per-node) or change --tp"
         )
@@ -124,5 +169,5 @@ def deepspeed_integration():
     try:
         from vocab_parallel.integrations import deepspeed as integration
     except ImportError as exc:
-        raise SystemExit(f"--engine deepspeed needs DeepSpeed and our integration: {exc}") from exc
+        raise RunRefused(f"--engine deepspeed needs DeepSpeed and our integration: {exc}") from exc
     return integration

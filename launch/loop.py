@@ -20,8 +20,15 @@ import torch.distributed as dist
 
 from launch.checkpoints import checkpoint_root, save_checkpoint
 from launch.config import lr_at
-from launch.dist_env import collective
-from launch.report import FILE_ONLY, mib, peak_memory_bytes, progress_bar, side_by_side
+from launch.dist_env import RunRefused, collective
+from launch.report import (
+    FILE_ONLY,
+    mib,
+    peak_memory_bytes,
+    progress_bar,
+    record_error,
+    side_by_side,
+)
 
 log = logging.getLogger("train")
 
@@ -61,7 +68,7 @@ def train(o: dict, runners: dict, data, groups, device: torch.device, *, start: 
     run ``run_id``) every ``save_every`` steps."""
     # What the data cannot give is known now, and alike on every rank: say so and stop.
     if len(data.train) < o["context"] + 2:
-        raise SystemExit(f"data: the training part of {o['data']} ({len(data.train):,} tokens) "
+        raise RunRefused(f"data: the training part of {o['data']} ({len(data.train):,} tokens) "
                          f"is too short for context {o['context']}")  # fmt: skip
     try:
         val_batches = data.val_batches(
@@ -72,7 +79,7 @@ def train(o: dict, runners: dict, data, groups, device: torch.device, *, start: 
             max_batches=o["val_batches"],
         )
     except ValueError as exc:
-        raise SystemExit(f"data: {exc}") from None
+        raise RunRefused(f"data: {exc}") from None
 
     def validate(step: int) -> None:
         losses = [evaluate(r, val_batches, groups, device) for r in runners.values()]
@@ -118,6 +125,8 @@ def train(o: dict, runners: dict, data, groups, device: torch.device, *, start: 
             history["ref_loss"].append(losses[1])
         if not math.isfinite(losses[0]):
             log.error(f"step {step}: loss is {losses[0]}, stopping")
+            if dist.get_rank() == 0:
+                record_error(f"error: step {step}: loss is {losses[0]}, stopping")
             return result("diverged")
         tok_s = tokens_per_step * timed_steps / timed_seconds if timed_seconds else 0.0
         bar.set_postfix_str(

@@ -7,14 +7,22 @@ of carriage-return redraws, which would otherwise fill a log file with every ref
 Whether stdout is a terminal is decided once by the caller and passed in
 (``interactive``), so the handler and the bar always agree.
 
-At the end rank 0 writes ``loss_curve.png`` and ``summary.json`` and prints the summary
-(:func:`finish`); with ``--check-against-unsharded``, both loss curves side by side.
+At the end rank 0 writes ``summary.json``, then ``loss_curve.png``, and prints the summary
+(:func:`finish`); with ``--check-against-unsharded``, both loss curves side by side. The
+plotting library is imported by :func:`import_pyplot`, which ``train.py`` also calls
+before the first step: a run without it stops at once instead of after its last step.
+
+An error that ends the run is said by :func:`report_error`: once (by rank 0) where every
+rank has the same one, and also appended to the file that ``VOCAB_PARALLEL_ERROR_FILE``
+names, if set: ``scripts/main.sh`` prints that file after torchrun has exited, so that
+the reason, not torchrun's report of a failed child, is the last thing on the console.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import shutil
 import sys
@@ -23,6 +31,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("train")
+# Where a wrapper of torchrun (scripts/main.sh) wants the reason a run ended with an error.
+ERROR_FILE_ENV = "VOCAB_PARALLEL_ERROR_FILE"
 # ``log.info(..., **FILE_ONLY)``: to train.log, not to the console.
 FILE_ONLY = {"extra": {"file_only": True}}
 
@@ -94,6 +104,31 @@ def progress_bar(total: int, initial: int, rank: int, interactive: bool):
     )
 
 
+def report_error(message: str, rank: int, *, alike: bool) -> None:
+    """Say why the run ends: ``error: message`` on stderr (``[rank r]`` first on the ranks
+    but 0) and in the wrapper's error file. ``alike``: every rank has this very error, so
+    only rank 0 says it."""
+    if alike and rank != 0:
+        return
+    line = f"error: {message}" if rank == 0 else f"[rank {rank}] error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    if any(isinstance(h, logging.FileHandler) for h in log.handlers):
+        log.error(line, **FILE_ONLY)  # train.log too, where this run has opened it
+    record_error(line)
+
+
+def record_error(line: str) -> None:
+    """Append ``line`` to the file ``VOCAB_PARALLEL_ERROR_FILE`` names (if set), for the
+    wrapper to print last; a file that cannot be written is no reason for another error."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(line.rstrip("\n") + "\n")
+        except OSError:
+            pass
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: the most ever allocated by torch. CPU: the process's peak resident set."""
     if device.type == "cuda":
@@ -116,11 +151,18 @@ def side_by_side(history: dict, every: int) -> str:
     return "\n".join(rows)
 
 
-def plot(history: dict, path: Path, title: str) -> None:
+def import_pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(history: dict, path: Path, title: str) -> None:
+    plt = import_pyplot()
 
     check = "ref_loss" in history
     fig, axes = plt.subplots(
@@ -201,8 +243,10 @@ def finish(o: dict, run, info: dict, groups, *, world: int, backend: str,
             max_abs_loss_difference=diffs[worst],
             max_abs_loss_difference_step=history["step"][worst],
         )
-    plot(history, run_dir / "loss_curve.png", title)
+    # The numbers first: a plot that fails (a full disk, a broken font cache) loses the
+    # picture, not the summary of the run.
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot(history, run_dir / "loss_curve.png", title)
     lines = [
         f"done: {o['steps']} steps in {wall:.1f} s wall (this run), {tok_s or 0:,.0f} tokens/s, "
         f"peak memory {mib(peak)} per rank"

@@ -26,8 +26,17 @@ Outputs, in ``run_dir`` (rank 0): ``train.log``, ``loss_curve.png``, ``summary.j
 ``checkpoints/`` every ``save_every`` steps. ``--resume`` continues from the latest
 checkpoint and reproduces the uninterrupted run's losses exactly (model, optimizer, step
 and RNG are restored; data and learning rate are functions of the step; every file is
-checked against the SHA-256 recorded at save). A new run refuses a ``run_dir`` that holds
-checkpoints, unless ``--overwrite`` (delete them first) or ``--resume`` is given.
+checked against the SHA-256 recorded at save, ``meta.json`` against its own). A new run
+refuses a ``run_dir`` that holds checkpoints, unless ``--overwrite`` (delete them first) or
+``--resume`` is given, and any run refuses a ``run_dir`` that another run is using (rank 0
+holds ``run_dir/train.lock`` while the run lasts; see ``launch/run_lock.py``).
+
+Before the first step: every package the run imports later (the progress bar, the
+tokenizer, the plot) is imported, on the ranks that use it, so that a missing one stops
+the run at once, not after its last step. A run refused before it trains (a run_dir in
+use, a checkpoint that cannot be resumed, a missing package, ...) stops every rank alike
+and says why once; under ``scripts/main.sh`` that reason is also the last thing printed,
+after torchrun's report of the failed ranks.
 
 Failures end the job rather than hang it or go unnoticed: a rank that dies or stops makes
 the others exit within ``timeout_s``, naming the collective and the group that failed; a
@@ -40,6 +49,10 @@ prints both loss curves side by side with their largest difference.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,34 +74,129 @@ from launch.checkpoints import (  # noqa: E402
 )
 from launch.config import parse_args  # noqa: E402
 from launch.data import load_data  # noqa: E402
-from launch.dist_env import CollectiveError, collective, init_distributed, init_groups  # noqa: E402
+from launch.dist_env import (  # noqa: E402
+    CollectiveError,
+    RunRefused,
+    agree,
+    collective,
+    init_distributed,
+    init_groups,
+)
 from launch.engines import local, make_runner, replicas_in_sync  # noqa: E402
 from launch.loop import train  # noqa: E402
 from launch.model import build_model  # noqa: E402
 from launch.plan import dry_run  # noqa: E402
-from launch.report import finish, log, peak_memory_bytes, setup_logging  # noqa: E402
+from launch.report import (  # noqa: E402
+    finish,
+    import_pyplot,
+    log,
+    peak_memory_bytes,
+    record_error,
+    report_error,
+    setup_logging,
+)
+from launch.run_lock import RunLock, acquire  # noqa: E402
+
+# What the run imports only where it first uses it (module, pip package, the ranks that
+# use it and what for, whether rank 0 alone does), imported before the first step instead.
+# All are in the ``train`` extra.
+RUN_IMPORTS = (
+    ("tqdm", "tqdm", "the progress bar, on every rank", False),
+    ("tokenizers", "tokenizers", "the BPE tokenizer, on rank 0", True),
+    ("matplotlib.pyplot", "matplotlib", "the loss-curve plot, on rank 0", True),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    o = parse_args(argv, description=__doc__.split("\n\n")[0])
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group is not up yet
+    o = parse_options(argv, rank)
     if o["dry_run"]:
         return dry_run(o)
-    check_run_dir(o)  # before anything is written into run_dir
     wall0 = time.perf_counter()
-    backend, device = init_distributed(o)
+    lock = None
     try:
-        return run(o, backend, device, wall0)
-    except CollectiveError as exc:  # a rank died, stopped or hung: say which collective
-        log.error(f"error: {exc}")
+        backend, device = init_distributed(o)
+        rank = dist.get_rank()
+        check_imports(rank)
+        lock = take_run_dir(o, rank)
+        return run(o, backend, device, wall0, lock)
+    except RunRefused as exc:  # every rank has it: said once
+        report_error(str(exc), rank, alike=True)
         return 1
+    except CollectiveError as exc:  # a rank died, stopped or hung: say which collective
+        report_error(str(exc), rank, alike=False)
+        return 1
+    finally:
+        if lock is not None:
+            lock.release()
 
 
-def run(o: dict, backend: str, device: torch.device, wall0: float) -> int:
-    """The training job, once the default process group is up (collective)."""
+def parse_options(argv: list[str] | None, rank: int) -> dict:
+    """The options (:func:`launch.config.parse_args`); a usage error is printed by rank 0
+    alone (every rank parses the same argv, so every rank has it) and recorded for the
+    wrapper (``report.record_error``)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return parse_args(argv, description=__doc__.split("\n\n")[0])
+    except SystemExit as exc:
+        lines = captured.getvalue().strip().splitlines()
+        if exc.code and rank == 0 and lines:
+            record_error(lines[-1])
+        raise
+    finally:
+        if rank == 0:
+            sys.stderr.write(captured.getvalue())
+
+
+def check_imports(rank: int) -> None:
+    """Import now, on the ranks that use them, what the run imports later (collective):
+    a missing package stops every rank, naming it and the extra that provides it."""
+    missing = []
+    for module, package, used_for, rank0_only in RUN_IMPORTS:
+        if rank0_only and rank != 0:
+            continue
+        try:
+            import_pyplot() if module == "matplotlib.pyplot" else importlib.import_module(module)
+        except ImportError as exc:
+            missing.append(f"{package} ({used_for}), which does not import ({exc})")
+    problem = None
+    if missing:
+        problem = (f"the run needs {'; and '.join(missing)}: install the launcher's "
+                   "requirements, pip install -e '.[train]'")  # fmt: skip
+    agree(problem, "the packages the run imports")
+
+
+def take_run_dir(o: dict, rank: int) -> RunLock | None:
+    """Rank 0 takes ``run_dir``'s lock and then, holding it, checks that a new run does not
+    start where another run's checkpoints are (collective: every rank refuses alike).
+    Returns rank 0's lock (``None`` on the other ranks)."""
+    lock, problem = None, None
+    if rank == 0:
+        try:
+            lock = acquire(o["run_dir"])
+            check_run_dir(o)
+        except RunRefused as exc:
+            problem = str(exc)
+    try:
+        agree(problem, f"run_dir {o['run_dir']}", rank0_only=True)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
+
+
+def run(o: dict, backend: str, device: torch.device, wall0: float, lock: RunLock | None) -> int:
+    """The training job, once the default process group is up and rank 0 holds the run
+    directory's lock (collective)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir, interactive = Path(o["run_dir"]), sys.stdout.isatty()
     removed = overwrite_run_dir(o) if o["overwrite"] else 0
     setup_logging(run_dir, rank, o["resume"], interactive)
+    if lock is not None and lock.stale:
+        log.info(f"{lock.path}: taken over from a run that ended without releasing it "
+                 f"({lock.stale})")  # fmt: skip
     if removed:
         log.info(f"--overwrite: deleted {removed} checkpoint entries of an earlier run in "
                  f"{checkpoint_root(o)}")  # fmt: skip
@@ -158,12 +266,14 @@ def run(o: dict, backend: str, device: torch.device, wall0: float) -> int:
     dist.destroy_process_group()
     if not in_sync:  # every rank exits non-zero; rank 0 says why
         if rank == 0:
-            log.error(
+            message = (
                 "error: the tensor-parallel replicas diverged: the replicated parameters "
                 "(the body) are no longer bitwise equal on the ranks of a TP group, so the "
                 "ranks trained different models and the losses above are not those of one "
                 "model (summary.json: tp_replicas_in_sync false)"
             )
+            log.error(message)
+            record_error(message)
         return 1
     return 0
 

@@ -319,9 +319,8 @@ def test_diverged_tp_replicas_exit_non_zero(tp2_checkpoint, corpus_and_cache, tm
     torch.save(state, path)
     meta_path = root / "step_000003" / "meta.json"
     meta = json.loads(meta_path.read_text())
-    if "files" in meta:
-        meta["files"]["step_000003/model_tp1.pt"] = hashlib.sha256(path.read_bytes()).hexdigest()
-    meta_path.write_text(json.dumps(meta))
+    meta["files"]["step_000003/model_tp1.pt"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    checkpoints.write_meta(meta_path.parent, meta)
     rc, out = run_train(2, _resume_args(run_dir, corpus_and_cache, ["--tp", "2"]))
     assert "resumed from step 3" in out, out[-4000:]
     assert rc != 0, out[-4000:]
@@ -641,7 +640,7 @@ def test_missing_matplotlib_stops_the_run_before_training(warm_cache, tmp_path):
     rc, out = run_train(2, args, extra_env=_blocked_module(tmp_path, "matplotlib"), timeout=120)
     assert rc != 0, out[-4000:]
     assert "step 1/" not in out and "train:" not in out, out[-4000:]
-    message = "the run needs matplotlib (rank 0: the loss-curve plot), which does not import"
+    message = "the run needs matplotlib (the loss-curve plot, on rank 0), which does not import"
     assert out.count(message) == 1, out[-4000:]
     assert "pip install -e '.[train]'" in out, out[-4000:]
     assert not (run_dir / "train.log").exists()

@@ -7,6 +7,11 @@
   ``--steps`` is refused;
 - a checkpoint file changed on disk after its save is an error naming it, for both
   engines, and TP replicas that diverge make the run exit non-zero;
+- ``meta.json`` edited by hand (its checksum, its step against its folder's) is refused
+  at --resume on every rank; a missing package stops the run before its first step, and
+  summary.json is written before the plot; a second run on a run directory in use is
+  refused, naming the holder, and a dead holder's lock is taken over; a refused run says
+  why once, and ``scripts/main.sh`` prints the reason last, after torchrun's report;
 - the data rank 0 cannot prepare stops every rank with the reason;
 - every option's value is checked when the options are parsed (the flags and the YAML),
   with argparse's usage error (exit status 2) naming the option, for ``train.py`` and

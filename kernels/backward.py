@@ -18,7 +18,7 @@ registers: cap, exp, normalise, z-loss scale, one-hot, label smoothing, scale by
 
 The two gradient GEMMs are what cuBLAS does best: they go through torch (fp32 outputs,
 ``vocab_parallel.precision``) in the chunk loop shared with the torch backend
-(``vocab_parallel.torch_backend.gradient_products``): ``grad_input`` accumulates each
+(``vocab_parallel.chunking.gradient_products``): ``grad_input`` accumulates each
 chunk's ``G_c @ W_c`` in fp32, ``grad_weight[v0:v0+CV] = G_c.T @ x``. Under Triton's
 interpreter the same loop runs the same torch calls on CPU tensors.
 
@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vocab_parallel.backend import Grads, GradTerms, Logits, Outputs
+from vocab_parallel.chunking import gradient_products
 from vocab_parallel.kernels.common import (
     TileConfig,
     device_capability,
@@ -47,7 +49,6 @@ from vocab_parallel.kernels.common import (
     tile_config,
     tile_configs,
 )
-from vocab_parallel.torch_backend import gradient_products
 
 # Bytes of the G chunk buffer the launcher aims for; ``CV`` follows from it and BT.
 CHUNK_BYTES = 256 * 1024 * 1024
@@ -77,6 +78,9 @@ def _logits_grad_kernel(
     max_ptr,  # [BT] fp32 global logits max (not read when HAS_SOFTMAX)
     sumexp_ptr,  # [BT] fp32 global sum of exp(logits - max) (not read when HAS_SOFTMAX)
     pscale_ptr,  # [BT] or [1] fp32 factor of the softmax: 1 + 2 * z_loss * lse
+    ontarget_ptr,  # [BT] or [1] fp32 what the one-hot subtracts (1 - label_smoothing)
+    cw_ptr,  # [V] or [1] fp32 class weight of each column, factor of smooth_all
+    invt_ptr,  # [BT] or [1] fp32 inverse temperature of each row (z = cap(r) * invt)
     g_ptr,  # [BT, CV] output chunk of G, input dtype
     # Sizes
     BT,
@@ -92,10 +96,12 @@ def _logits_grad_kernel(
     stride_sn,
     stride_grad,  # 0 broadcasts a single upstream gradient
     stride_ps,  # 0 broadcasts a single factor (1.0 without z-loss)
+    stride_ot,  # 0 broadcasts one on-target amount
+    stride_cw,  # 0 broadcasts one class weight (1.0 without class weights)
+    stride_it,  # 0 broadcasts one inverse temperature (1.0 without a temperature)
     stride_gm,
     stride_gn,
-    # Scalars of the target distribution q = on_target * onehot + smooth_all
-    on_target,  # 1 - label_smoothing
+    # Scalar of the target distribution q = on_target * onehot + smooth_all * cw
     smooth_all,  # label_smoothing / global_vocab_size
     softcap,  # c of z = c * tanh(r / c) (only read when SOFTCAP)
     # Meta-parameters
@@ -118,6 +124,7 @@ def _logits_grad_kernel(
     col_ok = cols < n_cols
     tile_ok = row_ok[:, None] & col_ok[None, :]
     vcols = v_start + cols  # columns within the shard
+    inv_t = tl.load(invt_ptr + rows * stride_it, mask=row_ok, other=1.0)
 
     if HAS_SOFTMAX:
         prob = tl.load(
@@ -132,8 +139,8 @@ def _logits_grad_kernel(
                 mask=tile_ok,
                 other=0.0,
             ).to(tl.float32)
-            if SOFTCAP:
-                t = z * (1.0 / softcap)
+            if SOFTCAP:  # z = c * tanh(r / c) * invt: tanh from z
+                t = z * (1.0 / (softcap * inv_t))[:, None]
         else:
             z = logits_tile(
                 x_ptr, w_ptr, b_ptr, rows, vcols, row_ok, col_ok,
@@ -143,6 +150,7 @@ def _logits_grad_kernel(
             if SOFTCAP:  # exactly the forward's z (kernels.forward)
                 t = tanh(z * (1.0 / softcap))
                 z = t * softcap
+            z = z * inv_t[:, None]  # the temperature (exact for 1.0)
         row_max = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
         row_sum = tl.load(sumexp_ptr + rows, mask=row_ok, other=1.0)
         prob = tl.exp(z - row_max[:, None]) / row_sum[:, None]
@@ -152,10 +160,13 @@ def _logits_grad_kernel(
 
     # One-hot of the local target (-1, never a column, where the target is elsewhere).
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
-    onehot = tl.where(vcols[None, :] == target[:, None], on_target, 0.0)
+    on_target = tl.load(ontarget_ptr + rows * stride_ot, mask=row_ok, other=0.0)
+    onehot = tl.where(vcols[None, :] == target[:, None], on_target[:, None], 0.0)
+    cw = tl.load(cw_ptr + vcols * stride_cw, mask=col_ok, other=0.0)
 
-    upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
-    g = (prob - smooth_all - onehot) * upstream[:, None]
+    # d z / d cap(r) = 1 / T: the inverse temperature joins the upstream gradient.
+    upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0) * inv_t
+    g = (prob - smooth_all * cw[None, :] - onehot) * upstream[:, None]
     if SOFTCAP:  # through the cap: dz/dr = 1 - tanh(r / c)^2
         g = g * (1.0 - t * t)
     if ROUND_BF16:
@@ -224,62 +235,53 @@ def chunk_columns(
 
 
 def fused_backward(
-    grad: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
     local_target: torch.Tensor,
-    logits_max: torch.Tensor | None,
-    sum_exp_logits: torch.Tensor | None,
-    softmax: torch.Tensor | None,
-    on_target: float,
-    smooth_all: float,
+    logits: Logits,
+    terms: GradTerms,
+    out: Outputs,
     *,
-    need_input_grad: bool = True,
-    need_weight_grad: bool = True,
-    grad_input_dtype: torch.dtype | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-    bias: torch.Tensor | None = None,
-    softcap: float | None = None,
-    logits: torch.Tensor | None = None,
-    prob_scale: torch.Tensor | None = None,
-    need_bias_grad: bool = False,
-    reuse_logits: bool = False,
-    grad_input_out: torch.Tensor | None = None,
-    grad_weight_acc: torch.Tensor | None = None,
-    grad_bias_acc: torch.Tensor | None = None,
-    accumulate: bool = True,
-) -> tuple[torch.Tensor | None, ...]:
-    """The backward over vocabulary chunks; inputs are already validated.
-
-    Same interface as ``vocab_parallel.torch_backend.fused_backward``: ``local_target`` is
-    int64 ``[BT]`` in ``[0, V)``, -1 where no one-hot is subtracted on this shard;
-    ``grad`` is ``[BT]`` or ``[1]`` fp32. Returns ``(grad_input, grad_weight)``, None for
-    a gradient that is not needed, and ``grad_bias`` third when ``need_bias_grad``.
-    ``reuse_logits`` changes nothing here (``G`` has its own buffer in the input dtype);
-    ``grad_input_out``, ``grad_weight_acc`` and ``grad_bias_acc`` are the caller's
-    buffers (``vocab_parallel.torch_backend.gradient_products``).
-    """
-    del reuse_logits  # the torch backend's option: this G never overwrites the logits
+) -> Grads:
+    """:class:`Grads` of ``G`` (``vocab_parallel.backend.Backend.fused_backward``) over
+    vocabulary chunks; inputs are already validated. ``terms.reuse_logits`` changes
+    nothing here (``G`` has its own buffer in the input dtype)."""
     bt, h = x.shape
     v = weight.shape[0]
-    source = "softmax" if softmax is not None else "logits" if logits is not None else "recompute"
-    has_bias = bias is not None and source == "recompute"
+    softmax, saved_logits, softcap = terms.softmax, terms.logits, logits.softcap
+    source = (
+        "softmax" if softmax is not None else "logits" if saved_logits is not None else "recompute"
+    )
+    has_bias = logits.bias is not None and source == "recompute"
     capability = device_capability(x.device)
     heavy = has_bias or softcap is not None  # see tile_config
     tile = tile_config(_kernel_name(source), x.dtype, capability, bt, heavy)
     meta = _meta(x.dtype, source, has_bias, softcap is not None, tile)
     target = local_target.contiguous()
+    grad = terms.grad.float().contiguous()
     dummy = grad  # stands in for pointers the chosen mode never reads
-    saved = {"softmax": softmax, "logits": logits}.get(source, dummy)
-    lmax = dummy if source == "softmax" else logits_max.contiguous()
-    lsum = dummy if source == "softmax" else sum_exp_logits.contiguous()
-    b = bias.contiguous() if has_bias else x
+    saved = {"softmax": softmax, "logits": saved_logits}.get(source, dummy)
+    lmax = dummy if source == "softmax" else terms.logits_max.contiguous()
+    lsum = dummy if source == "softmax" else terms.sum_exp.contiguous()
+    b = logits.bias.contiguous() if has_bias else x
     s_strides = (0, 0) if saved is dummy else (saved.stride(0), saved.stride(1))
-    stride_grad = grad.stride(0) if grad.shape[0] == bt else 0
-    if prob_scale is None:  # one factor 1.0 for every row
-        prob_scale = torch.ones(1, dtype=torch.float32, device=x.device)
-    prob_scale = prob_scale.to(torch.float32).contiguous()
-    stride_ps = prob_scale.stride(0) if prob_scale.shape[0] == bt else 0
+
+    def vector(t, n: int) -> tuple[torch.Tensor, int]:
+        """An fp32 per-row (n = BT) or per-column (n = V) term and its stride (0: one value
+        for all; None and floats become one value)."""
+        if not isinstance(t, torch.Tensor):
+            t = torch.full(
+                (1,), 1.0 if t is None else float(t), dtype=torch.float32, device=x.device
+            )
+        t = t.to(torch.float32).reshape(-1).contiguous()
+        return t, (1 if t.shape[0] == n and n > 1 else 0)
+
+    prob_scale, stride_ps = vector(terms.prob_scale, bt)
+    on_target, stride_ot = vector(terms.on_target, bt)
+    cw, stride_cw = vector(terms.class_weight, v)
+    inv_t, stride_it = vector(logits.inv_temperature, bt)
+    stride_grad = 1 if grad.shape[0] == bt and bt > 1 else 0
     cap = 1.0 if softcap is None else float(softcap)
     cv = chunk_columns(bt, v, x.element_size(), chunk_bytes, h)
     g_buf = None
@@ -292,27 +294,17 @@ def fused_backward(
         g = g_buf[:, :n]
         grid = (triton.cdiv(bt, tile.BLOCK_M), triton.cdiv(n, tile.BLOCK_N))
         _logits_grad_kernel[grid](
-            x, weight, b, saved, grad, target, lmax, lsum, prob_scale, g,
+            x, weight, b, saved, grad, target, lmax, lsum, prob_scale, on_target, cw, inv_t, g,
             bt, h, v0, n,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            s_strides[0], s_strides[1], stride_grad, stride_ps, g.stride(0), g.stride(1),
-            on_target, smooth_all, cap,
+            s_strides[0], s_strides[1], stride_grad, stride_ps, stride_ot, stride_cw,
+            stride_it, g.stride(0), g.stride(1),
+            float(terms.smooth), cap,
             **meta,
         )  # fmt: skip
         return g
 
+    bias_dtype = x.dtype if logits.bias is None else logits.bias.dtype
     return gradient_products(
-        x,
-        weight,
-        cv,
-        make_g,
-        g_reads_operands=False,
-        need_input_grad=need_input_grad,
-        need_weight_grad=need_weight_grad,
-        grad_input_dtype=grad_input_dtype,
-        bias_grad_dtype=(bias.dtype if bias is not None else x.dtype) if need_bias_grad else None,
-        grad_input_out=grad_input_out,
-        grad_weight_acc=grad_weight_acc,
-        grad_bias_acc=grad_bias_acc,
-        accumulate=accumulate,
+        x, weight, cv, make_g, out, g_reads_operands=False, bias_grad_dtype=bias_dtype
     )

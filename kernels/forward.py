@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vocab_parallel.backend import PLAIN, LocalStats, Logits
 from vocab_parallel.kernels.common import (
     TileConfig,
     device_capability,
@@ -45,6 +46,8 @@ def _forward_stats_kernel(
     w_ptr,  # [V, H] weight rows of this shard
     target_ptr,  # [BT] int64 local target column, -1 where not on this shard
     b_ptr,  # [V] bias of this shard's rows, input dtype (only read when HAS_BIAS)
+    invt_ptr,  # [BT] or [1] fp32 inverse temperature of each row (z = cap(r) * invt)
+    cw_ptr,  # [V] or [1] fp32 class weights of the logit sum (read when LOGIT_SUM)
     logits_ptr,  # [BT, V] fp32 (capped) logits out (only written when STORE_LOGITS)
     max_ptr,  # [S, BT] fp32 partial max per split
     sum_ptr,  # [S, BT] fp32 partial sum of exp(logit - partial max)
@@ -62,6 +65,8 @@ def _forward_stats_kernel(
     stride_wk,
     stride_lm,
     stride_ln,
+    stride_it,  # 0 broadcasts one inverse temperature
+    stride_cw,  # 0 broadcasts one class weight (1.0: the plain logit sum)
     # Scalars
     softcap,  # c of z = c * tanh(r / c) (only read when SOFTCAP)
     # Meta-parameters
@@ -80,6 +85,7 @@ def _forward_stats_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < BT
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+    inv_t = tl.load(invt_ptr + rows * stride_it, mask=row_ok, other=1.0)
 
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -98,22 +104,26 @@ def _forward_stats_kernel(
         )  # fmt: skip
         if SOFTCAP:  # (the backward recomputes exactly this: tanh(r * inv) * softcap)
             acc = tanh(acc * inv_softcap) * softcap
+        acc = acc * inv_t[:, None]  # the temperature (exact for 1.0)
         if STORE_LOGITS:
             tl.store(
                 logits_ptr + rows[:, None] * stride_lm + cols.to(tl.int64)[None, :] * stride_ln,
                 acc,
                 mask=row_ok[:, None] & col_ok[None, :],
             )
-        # Online max / sum-exp; padding columns count as -inf (exp gives 0).
+        # Online max / sum-exp; padding columns count as -inf (exp gives 0). While every
+        # logit so far is -inf (a masking bias), shift by 0: exp(-inf) = 0, never NaN.
         masked = tl.where(col_ok[None, :], acc, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(masked, axis=1))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
-            tl.exp(masked - new_max[:, None]), axis=1
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(
+            tl.exp(masked - shift[:, None]), axis=1
         )
         run_max = new_max
         pred += tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
         if LOGIT_SUM:
-            lsum += tl.sum(tl.where(col_ok[None, :], acc, 0.0), axis=1)
+            cw = tl.load(cw_ptr + cols * stride_cw, mask=col_ok, other=0.0)
+            lsum += tl.sum(tl.where(col_ok[None, :], acc * cw[None, :], 0.0), axis=1)
 
     out = pid_s * BT + rows
     tl.store(max_ptr + out, run_max, mask=row_ok)
@@ -172,25 +182,25 @@ def forward_stats(
     x: torch.Tensor,
     weight: torch.Tensor,
     local_target: torch.Tensor,
-    logits_out: torch.Tensor | None = None,
-    with_logit_sum: bool = True,
+    logits: Logits = PLAIN,
     *,
-    bias: torch.Tensor | None = None,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Local ``(max, sum_exp, predicted, logit_sum)`` of ``z = cap(x @ W.T + bias)``, each
-    fp32 ``[BT]``.
+    logits_out: torch.Tensor | None = None,
+    logit_sum: bool = False,
+    class_weight: torch.Tensor | None = None,
+) -> LocalStats:
+    """:class:`LocalStats` of ``z = cap(x @ W.T + bias) / T``, each fp32 ``[BT]``
+    (``vocab_parallel.backend.Backend.forward_stats``).
 
     ``local_target`` is int64 ``[BT]``, -1 where the row's target is not on this shard.
     ``logits_out``, if given, is an fp32 ``[BT, V]`` buffer that receives ``z``.
-    A shard without columns gives max -inf and zero sums. ``with_logit_sum=False`` skips
-    the logit sum (only label smoothing needs it) and returns zeros for it.
+    A shard without columns gives max -inf and zero sums. ``logit_sum=False`` skips the
+    logit sum (only label smoothing needs it) and returns zeros for it.
     """
     bt, h = x.shape
     v = weight.shape[0]
     f32 = dict(dtype=torch.float32, device=x.device)
     if bt == 0 or v == 0:
-        return (
+        return LocalStats(
             torch.full((bt,), float("-inf"), **f32),
             torch.zeros(bt, **f32),
             torch.zeros(bt, **f32),
@@ -204,18 +214,25 @@ def forward_stats(
     splits = triton.cdiv(n_tiles, tiles_per_split)
     part = torch.empty((4, splits, bt), **f32)
     store = logits_out is not None
-    logits = logits_out if store else part
+    out = logits_out if store else part
+    bias, softcap = logits.bias, logits.softcap
     has_bias = bias is not None
+    one = torch.ones(1, **f32)  # broadcast (stride 0) for a missing per-row / column term
+    inv_t = one if logits.inv_temperature is None else logits.inv_temperature.float()
+    inv_t = inv_t.contiguous()
+    cw = one if class_weight is None else class_weight.float().contiguous()
     _forward_stats_kernel[(n_row_blocks, splits)](
-        x, weight, local_target.contiguous(), bias.contiguous() if has_bias else x, logits,
-        part[0], part[1], part[2], part[3],
+        x, weight, local_target.contiguous(), bias.contiguous() if has_bias else x, inv_t, cw,
+        out, part[0], part[1], part[2], part[3],
         bt, h, v, tiles_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        logits.stride(0) if store else 0, logits.stride(1) if store else 0,
+        out.stride(0) if store else 0, out.stride(1) if store else 0,
+        1 if inv_t.shape[0] == bt and bt > 1 else 0, 1 if cw.shape[0] == v and v > 1 else 0,
         1.0 if softcap is None else float(softcap),
-        **_meta(x.dtype, store, with_logit_sum, has_bias, softcap is not None, tile),
+        **_meta(x.dtype, store, logit_sum, has_bias, softcap is not None, tile),
     )  # fmt: skip
     p_max, p_sum, p_pred, p_lsum = part
     row_max = p_max.max(dim=0).values
-    row_sum = (p_sum * torch.exp(p_max - row_max)).sum(dim=0)
-    return row_max, row_sum, p_pred.sum(dim=0), p_lsum.sum(dim=0)
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)  # all -inf: no NaN
+    row_sum = (p_sum * torch.exp(p_max - shift)).sum(dim=0)
+    return LocalStats(row_max, row_sum, p_pred.sum(dim=0), p_lsum.sum(dim=0))

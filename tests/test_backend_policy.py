@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import vocab_parallel as vp
 from vocab_parallel import autograd as loss_module  # the loss's autograd Function
 from vocab_parallel import precision, torch_backend
+from vocab_parallel.backend import PLAIN, GradTerms, Outputs
 
 BT, H, V = 24, 20, 50  # distinct, so the shape of a product tells which product it is
 
@@ -110,7 +111,7 @@ def test_cuda_branch_accumulates_logits_and_products_in_fp32(monkeypatch):
     logits64 = x.double() @ w.double().T
     lse64 = torch.logsumexp(logits64, dim=1)
 
-    cpu = torch_backend.forward_stats(x, w, target, None, False)
+    cpu = torch_backend.forward_stats(x, w, target)
     _cuda_policy(monkeypatch)
     operands = []
     mm_fp32 = precision.mm_fp32
@@ -120,7 +121,7 @@ def test_cuda_branch_accumulates_logits_and_products_in_fp32(monkeypatch):
         return mm_fp32(a, b, out=out)
 
     monkeypatch.setattr(precision, "mm_fp32", recording_mm_fp32)
-    cuda = torch_backend.forward_stats(x, w, target, None, False)
+    cuda = torch_backend.forward_stats(x, w, target)
     assert operands and set(operands) == {(torch.bfloat16, torch.bfloat16)}  # the CUDA branch
     for a, b in zip(cuda, cpu, strict=True):  # the same fp32 accumulation: bitwise equal
         assert torch.equal(a, b)
@@ -293,17 +294,20 @@ def test_backends_share_one_interface_and_chunking_is_invisible(backend, mode, d
     module = _backend_module(backend)
 
     def run(chunk_bytes, **flags):
-        return module.fused_backward(
-            case.grad, case.input, case.weight, local,
+        terms = GradTerms(
+            case.grad, 0.9, 0.1 / v, None, None,
             case.logits_max, case.sum_exp_logits, case.softmax,
-            0.9, 0.1 / v, chunk_bytes=chunk_bytes, **flags,
         )  # fmt: skip
+        out = Outputs(**flags)
+        return module.fused_backward(
+            case.input, case.weight, local, PLAIN, terms, out, chunk_bytes=chunk_bytes
+        )[:2]
 
     chunked, whole = run(1), run(1 << 30)
     assert_matches_reference(chunked, case.reference(), dtype)
     assert_matches_reference(whole, case.reference(), dtype)
-    only_input = run(1, need_weight_grad=False)
-    only_weight = run(1, need_input_grad=False)
+    only_input = run(1, need_weight=False)
+    only_weight = run(1, need_input=False)
     assert only_input[1] is None and torch.equal(only_input[0], chunked[0])
     assert only_weight[0] is None and torch.equal(only_weight[1], chunked[1])
-    assert run(1, need_input_grad=False, need_weight_grad=False) == (None, None)
+    assert run(1, need_input=False, need_weight=False) == (None, None)

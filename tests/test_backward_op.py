@@ -1,4 +1,5 @@
-"""The backward operator (SPEC.md section 3) on both backends, against the float64 reference."""
+"""The backward operator (docs/design.md, "The operator") on both backends, against the
+float64 reference."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from vocab_parallel import (
     shard_bounds,
     torch_backend,
 )
+from vocab_parallel.backend import PLAIN, GradTerms, Outputs
+from vocab_parallel.chunking import chunk_columns
 from vocab_parallel.reference import global_statistics
 
 SHAPES = [(37, 33, 129), (1, 1, 1), (64, 16, 260), (9, 70, 3)]
@@ -273,21 +276,22 @@ def _stats(case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_torch_backend_chunks_equal_one_chunk(mode, dtype):
     bt, h, v = 5, 24, 700
-    assert math.ceil(v / torch_backend.chunk_columns(bt, v, 1)) >= 3  # several chunks
-    assert torch_backend.chunk_columns(bt, v) == v  # default: one chunk
+    assert math.ceil(v / chunk_columns(bt, v, 1)) >= 3  # several chunks
+    assert chunk_columns(bt, v, torch_backend.CHUNK_BYTES) == v  # default: one chunk
     case = make_case(bt, h, v, dtype=dtype, mode=mode, seed=8, label_smoothing=0.1)
 
     def run(case, chunk_bytes):
+        lmax, lsum, softmax = _stats(case)
+        terms = GradTerms(case.grad, 0.9, 0.1 / v, None, None, lmax, lsum, softmax)
         return torch_backend.fused_backward(
-            case.grad,
             case.input,
             case.weight,
             case.masked_target.clamp(0, v - 1).masked_fill(case.not_here, -1),
-            *_stats(case),
-            0.9,
-            0.1 / v,
+            PLAIN,
+            terms,
+            Outputs(),
             chunk_bytes=chunk_bytes,
-        )
+        )[:2]
 
     chunked, whole = run(case, 1), run(case, torch_backend.CHUNK_BYTES)
     assert_matches_reference(chunked, case.reference(), dtype)
@@ -314,16 +318,17 @@ def test_triton_chunks_equal_one_chunk(mode, dtype):
     case = case.with_(masked_target=torch.arange(bt, device=DEVICE) * 7 % v)
 
     def run(chunk_bytes):
+        lmax, lsum, softmax = _stats(case)
+        terms = GradTerms(case.grad, 0.9, 0.1 / v, None, None, lmax, lsum, softmax)
         return kernels.fused_backward(
-            case.grad,
             case.input,
             case.weight,
             case.masked_target.masked_fill(case.not_here, -1),
-            *_stats(case),
-            0.9,
-            0.1 / v,
+            PLAIN,
+            terms,
+            Outputs(),
             chunk_bytes=chunk_bytes,
-        )
+        )[:2]
 
     chunked, whole = run(1), run(kernels.CHUNK_BYTES)
     assert_matches_reference(chunked, case.reference(), dtype)

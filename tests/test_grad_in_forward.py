@@ -148,17 +148,19 @@ def test_chunk_rows_is_the_same_on_every_rank():
 def test_no_vocabulary_rows_on_this_rank_gives_zeros_in_the_callers_buffers():
     """A shard of 0 rows (TP 4 over 3 tokens of vocabulary) writes zeros into the
     grad_input rows it was handed, and leaves accumulators being added to alone."""
-    from vocab_parallel.torch_backend import gradient_products
+    from vocab_parallel.backend import Outputs
+    from vocab_parallel.chunking import gradient_products
 
     x = torch.randn(5, 4)
     w = torch.empty(0, 4)
     out = torch.full((5, 4), float("nan"))
     acc = torch.full((0, 4), float("nan"))
-    gi, gw = gradient_products(x, w, 8, None, g_reads_operands=False, grad_input_out=out,
-                               grad_weight_acc=acc, accumulate=False)  # fmt: skip
+    buffers = Outputs(grad_input_out=out, grad_weight_acc=acc, accumulate=False)
+    gi, gw, _ = gradient_products(x, w, 8, None, buffers, g_reads_operands=False)
     assert gi is out and torch.equal(out, torch.zeros(5, 4)) and gw is acc
     kept = torch.ones(5, 4)
-    gi, _ = gradient_products(x, w, 8, None, g_reads_operands=False, grad_input_out=kept)
+    buffers = Outputs(grad_input_out=kept)
+    gi, _, _ = gradient_products(x, w, 8, None, buffers, g_reads_operands=False)
     assert gi is kept and torch.equal(kept, torch.zeros(5, 4))
 
 
@@ -170,15 +172,13 @@ def test_float16_forms_g_with_unit_token_gradients(monkeypatch):
     w = torch.randn(50, 16, generator=gen).half().requires_grad_(True)
     y = torch.randint(0, 50, (600,), generator=gen)
     seen = []
-    from vocab_parallel import autograd as ag
+    fused = grad_in_forward.shard_gradients
 
-    fused = ag.fused_gradients
-
-    def recording(backend, grad, *args, **kwargs):
+    def recording(call, grad, *args, **kwargs):
         seen.append(grad.unique().tolist())
-        return fused(backend, grad, *args, **kwargs)
+        return fused(call, grad, *args, **kwargs)
 
-    monkeypatch.setattr(grad_in_forward, "fused_gradients", recording)
+    monkeypatch.setattr(grad_in_forward, "shard_gradients", recording)
     loss = vocab_parallel_linear_cross_entropy(x, w, y, mode="grad_in_forward")
     loss.backward()
     assert seen and all(vals == [1.0] for vals in seen)

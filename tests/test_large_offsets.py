@@ -60,8 +60,8 @@ CHILD = textwrap.dedent(
 
 
     def stats_agree(x, w, target, rel):
-        t = triton_forward.forward_stats(x, w, target, None, True)
-        r = torch_backend.forward_stats(x, w, target, None, True)
+        t = triton_forward.forward_stats(x, w, target, logit_sum=True)
+        r = torch_backend.forward_stats(x, w, target, logit_sum=True)
         for name, a, e in zip(("max", "sum_exp", "predicted", "logit_sum"), t, r):
             check(name, a, e, rel)
 
@@ -96,9 +96,9 @@ CHILD = textwrap.dedent(
     elif case == "logits_out":  # high-performance forward: logits stored into the softmax
         x, w, target, *_ = problem(6, 16, 40, torch.float32)
         view = far_rows(torch.zeros(6, 40))
-        t = triton_forward.forward_stats(x, w, target, view, True)
+        t = triton_forward.forward_stats(x, w, target, logits_out=view, logit_sum=True)
         dense = torch.zeros(6, 40)
-        r = torch_backend.forward_stats(x, w, target, dense, True)
+        r = torch_backend.forward_stats(x, w, target, logits_out=dense, logit_sum=True)
         check("stored logits", view, dense, 1e-6)
         for name, a, e in zip(("max", "sum_exp", "predicted", "logit_sum"), t, r):
             check(name, a, e, 1e-6)

@@ -1,10 +1,10 @@
 """vocab_parallel: vocabulary-parallel fused linear + cross entropy for PyTorch.
 
 Public API:
-    vocab_parallel_linear_cross_entropy   the sharded LM-head loss (SPEC.md sections 2 and 4)
+    vocab_parallel_linear_cross_entropy   the sharded LM-head loss (docs/design.md)
     VocabParallelLinearCrossEntropy       its nn.Module form
     VocabParallelLMHead                   an LM head that owns its shard and computes the loss
-    fused_linear_cross_entropy_loss_grad  the fused backward operator (SPEC.md section 3)
+    fused_linear_cross_entropy_loss_grad  the fused backward operator (docs/design.md)
     pack_target_mask, unpack_target_mask  the bit-packed target mask format
     shard_bounds                          the default contiguous (uneven) shard layout
 """

@@ -39,6 +39,7 @@ from torch import nn
 
 from vocab_parallel.distributed import group_ranks
 from vocab_parallel.lm_head import VocabParallelLMHead
+from vocab_parallel.options import LossOptions
 
 _MODULE = "torch.distributed.tensor"
 
@@ -155,34 +156,38 @@ def _local_hidden(hidden, sequence_parallel: bool):
     )
 
 
-def unwrap_inputs(
-    hidden,
-    weight,
-    target,
-    bias,
-    process_group: dist.ProcessGroup | None,
-    vocab_start_index: int | None,
-    global_vocab_size: int | None,
-    sequence_parallel: bool = False,
-) -> tuple:
-    """Plain tensors and the layout for the loss, from inputs that may be DTensors.
-
-    Returns ``(hidden, weight, target, bias, process_group, vocab_start_index,
-    global_vocab_size)``; without a DTensor among the inputs, they are returned as they
-    are. The local tensors stay connected to the DTensors for autograd. A DTensor ``bias``
-    (``[V]``, what ``ColwiseParallel`` makes of a projection's bias) must be placed
-    ``Shard(0)`` like the weight; its gradient is then a DTensor placed alike.
-    """
-    if not any(is_dtensor(t) for t in (hidden, weight, target, bias)):
-        return hidden, weight, target, bias, process_group, vocab_start_index, global_vocab_size
-    if is_dtensor(bias):
-        p = _placement(bias, "bias")
-        if bias.dim() != 1 or not _is_shard(p, 0, 1):
+def _row_shards(opts: LossOptions) -> dict:
+    """The ``bias`` / ``class_weight`` DTensors of ``opts`` as local tensors (each must be a
+    ``[V]`` DTensor placed ``Shard(0)``, like the weight; autograd goes through them)."""
+    local = {}
+    for name in ("bias", "class_weight"):
+        t = getattr(opts, name)
+        if not is_dtensor(t):
+            continue
+        p = _placement(t, name)
+        if t.dim() != 1 or not _is_shard(p, 0, 1):
             raise ValueError(
-                f"bias: a DTensor of shape {tuple(bias.shape)} placed {p!r}; expected a [V] "
+                f"{name}: a DTensor of shape {tuple(t.shape)} placed {p!r}; expected a [V] "
                 "DTensor placed Shard(0), like the weight"
             )
-        bias = bias.to_local()
+        local[name] = t.to_local()
+    return local
+
+
+def unwrap_inputs(hidden, weight, target, opts: LossOptions, process_group) -> tuple:
+    """Plain tensors and the layout for the loss, from inputs that may be DTensors.
+
+    Returns ``(hidden, weight, target, opts, process_group)``: ``opts`` with the layout
+    (``vocab_start_index``, ``global_vocab_size``) of a DTensor weight and local ``bias`` /
+    ``class_weight`` rows; without a DTensor among the inputs, everything as it is. The
+    local tensors stay connected to the DTensors for autograd. A DTensor ``bias`` (``[V]``,
+    what ``ColwiseParallel`` makes of a projection's bias) must be placed ``Shard(0)`` like
+    the weight; its gradient is then a DTensor placed alike.
+    """
+    rows = (opts.bias, opts.class_weight)
+    if not any(is_dtensor(t) for t in (hidden, weight, target, *rows)):
+        return hidden, weight, target, opts, process_group
+    changes = _row_shards(opts)
     if is_dtensor(weight):
         shard = weight_shard(weight)
         if process_group is not None and group_ranks(process_group) != group_ranks(
@@ -193,11 +198,12 @@ def unwrap_inputs(
                 f"DTensor weight has ranks {group_ranks(shard.process_group)}; leave "
                 "process_group out (the mesh's group is used)"
             )
-        _check_stated("vocab_start_index", vocab_start_index, shard.start, f"{shard.start}")
-        _check_stated("global_vocab_size", global_vocab_size, shard.vocab, f"{shard.vocab}")
+        _check_stated("vocab_start_index", opts.vocab_start_index, shard.start, f"{shard.start}")
+        _check_stated("global_vocab_size", opts.global_vocab_size, shard.vocab, f"{shard.vocab}")
         process_group = process_group if process_group is not None else shard.process_group
-        vocab_start_index, global_vocab_size = shard.start, shard.vocab
+        changes |= {"vocab_start_index": shard.start, "global_vocab_size": shard.vocab}
         weight = weight.to_local()
+    sequence_parallel = opts.sequence_parallel
     target = _local_target(target, hidden, sequence_parallel)
     if is_dtensor(hidden):
         if sequence_parallel and not _is_replicate(_placement(hidden, "hidden")):
@@ -209,22 +215,13 @@ def unwrap_inputs(
                     "with sequence_parallel they must be the same group"
                 )
         hidden = _local_hidden(hidden, sequence_parallel)
-    return hidden, weight, target, bias, process_group, vocab_start_index, global_vocab_size
+    return hidden, weight, target, opts.replace(**changes) if changes else opts, process_group
 
 
 class DTensorLMHead(VocabParallelLMHead):
     """A :class:`VocabParallelLMHead` whose ``weight`` (and ``bias``, if any) is a
     ``Shard(0)`` DTensor parameter (made by :func:`head_from_colwise`); their gradients are
     DTensors with that placement."""
-
-    def extra_repr(self) -> str:
-        shown = self.loss_options
-        self.loss_options = {k: v for k, v in shown.items() if k != "bias"}
-        try:
-            text = super().extra_repr()
-        finally:
-            self.loss_options = shown
-        return text + (", bias=True" if shown.get("bias") is not None else "")
 
     @torch.no_grad()
     def full_weight(self) -> torch.Tensor:
@@ -272,7 +269,6 @@ def head_from_colwise(linear: nn.Linear, **loss_options: Any) -> DTensorLMHead:
             )
         if "bias" in loss_options:
             raise TypeError("bias: set by head_from_colwise from linear.bias, not an option")
-        loss_options = loss_options | {"bias": bias}
     shard = weight_shard(weight)
     local = nn.Parameter(weight.to_local().detach(), requires_grad=weight.requires_grad)
     head = DTensorLMHead.from_shard(

@@ -1,30 +1,29 @@
 """``mode="grad_in_forward"``: the gradients computed in the forward pass, three GEMMs.
 
 When the loss is a scalar (``reduction="sum"`` or ``"mean"``) and a backward will follow,
-the gradient of each token is known in the forward up to the one upstream scalar ``g``:
-``d loss / d loss_i`` is ``g`` (sum) or ``g / count`` (mean, ``count`` the non-ignored
-tokens), 0 for ignored tokens. So the forward walks the tokens in chunks of ``R`` rows,
-and for each chunk (the math of ``vocab_parallel.autograd``, per token):
+the gradient of each token is known in the forward up to the one upstream scalar ``g``
+(``docs/design.md``, "Modes"): the Function returns the SUM of the per-token losses, whose
+gradient with respect to each token's loss is 1 (0 for ignored tokens); the loss entry
+divides it (``vocab_parallel.reduction``), which makes ``g`` the mean's ``1 / count``. So
+the forward walks the tokens in chunks of ``R`` rows, and for each chunk (the math of
+``vocab_parallel.stats``, per token):
 
-    z_c          = cap(x_c @ W.T + b)              GEMM 1, fp32 [R, V_local], kept
+    z_c          = cap(x_c @ W.T + b) / T           GEMM 1, fp32 [R, V_local], kept
     stats        local max / sum-exp / predicted / logit-sum of z_c
     M, S, P, A   MAX and SUM all-reduces            (they gate the chunk: blocking)
     loss_c, lse_c
-    G_c          = (softmax(z_c) * (1 + 2 w lse_c) - q) * (1 or 1/count) * cap'
-                   computed in place of z_c (the backend's fused epilogue)
+    G_c          computed in place of z_c with a unit upstream gradient (the backend)
     grad_input_c = G_c @ W                          GEMM 2, written into its rows
                    SUM all-reduce started asynchronously (does not gate the next chunk)
     grad_weight += G_c.T @ x_c                      GEMM 3, fp32 accumulator
 
 and waits for the ``grad_input`` all-reduces at the end. Three GEMMs and no recompute
-(memory-saving mode does four). Extra memory: the ``[R, V_local]`` chunk (fp32; half on a
-CPU with half GEMMs, where G overwrites it), the backend's ``G`` buffer where it has its
-own (Triton: in the input dtype; torch with half operands: a half copy per vocabulary
-chunk), and for half inputs fp32 ``grad_weight``/``grad_input`` accumulators until the
-backward. The backward multiplies the saved gradients by ``g`` in place (exact for the
-usual ``g = 1``) and hands them to autograd. fp16 inputs form ``G`` with a per-token
-gradient of 1 and apply a mean's ``1/count`` to the fp32 results, so that fp16's narrow
-range does not flush small terms (``mode="auto"`` runs memory-saving mode for fp16, where
+(memory-saving mode does four). Extra memory: the fp32 ``[R, V_local]`` chunk, the
+backend's ``G`` buffer where it has its own (Triton: in the input dtype), and for half
+inputs fp32 ``grad_weight``/``grad_input`` accumulators until the backward. The backward
+multiplies the saved gradients by ``g`` in place (exact for the usual ``g = 1``) and hands
+them to autograd. Forming ``G`` with unit token gradients keeps fp16's narrow range from
+flushing small terms (``mode="auto"`` still runs memory-saving mode for fp16, where
 GradScaler's factor reaches ``G`` before its rounding).
 
 The all-reduces of ``grad_input`` are the same collectives whether they overlap the next
@@ -44,21 +43,14 @@ share holds a proportionally larger chunk.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vocab_parallel import precision
-from vocab_parallel.autograd import (
-    fused_gradients,
-    guarded_backward,
-    local_targets,
-    no_autocast,
-    reduce_statistics,
-    stats_options,
-    sum_grad_input,
-    z_loss_scale,
-)
+from vocab_parallel.autograd import guarded_backward, no_autocast, shard_gradients, sum_grad_input
 from vocab_parallel.distributed import all_reduce, all_reduce_async, world_size
-from vocab_parallel.ops import backend_forward_stats
+from vocab_parallel.stats import Call, TokenStats, forward_stats, local_targets, reduce_statistics
 
 # Bytes of the fp32 [R, V_local] logits chunk, per device type: 128 MiB keeps CPU GEMMs
 # near their best rate (256 rows at V_local = 131072: 14% faster than 128 rows) with less
@@ -92,173 +84,130 @@ def chunk_rows(
 
 
 class GradInForwardLinearCE(torch.autograd.Function):
-    """``(loss, lse)``: the ``reduction`` (``"sum"`` or ``"mean"``) of the per-token
-    losses (a 0-d fp32 tensor; float64 for float64 inputs) and the per-token ``lse``
-    ``[BT]`` (0 for ignored tokens, not differentiable), gradients computed on the way.
-
-    ``needs``: whether ``hidden``, ``weight``, ``bias`` need a gradient (the others cost
-    no GEMM and no memory).
+    """``(loss_sum, lse, target_weight)``: the SUM of the per-token losses (a 0-d fp32
+    tensor; float64 for float64 inputs), the per-token ``lse`` ``[BT]`` (0 for ignored
+    tokens) and each token's target class weight (1 without class weights, 0 where
+    ignored; what a mean divides by), gradients computed on the way. ``lse`` and
+    ``target_weight`` are not differentiable. ``needs``: whether ``hidden``, ``weight``,
+    ``bias`` need a gradient (the others cost no GEMM and no memory).
     """
 
     @staticmethod
-    def forward(
-        ctx, hidden, weight, bias, target, process_group, layout, opts, backend, reduction, needs
-    ):
+    def forward(ctx, hidden, weight, bias, target, call: Call, needs):
         with no_autocast(hidden.device.type), torch.no_grad():
-            return GradInForwardLinearCE._forward(
-                ctx, hidden, weight, bias, target, process_group, layout, opts, backend,
-                reduction, needs,
-            )  # fmt: skip
+            return GradInForwardLinearCE._forward(ctx, hidden, weight, bias, target, call, needs)
 
     @staticmethod
-    def _forward(
-        ctx, hidden, weight, bias, target, process_group, layout, opts, backend, reduction, needs
-    ):
-        need_input, need_weight, need_bias = needs  # need_bias: False without a bias
-        local_target, ignored = local_targets(target, layout, opts.ignore_index)
+    def _forward(ctx, hidden, weight, bias, target, call: Call, needs):
+        local_target, ignored = local_targets(target, call.layout, call.opts.ignore_index)
         bt, h = hidden.shape
-        v = weight.shape[0]
         accum = precision.accumulate_dtype(hidden.dtype)
-        device = hidden.device
-        world = world_size(process_group)
-        tp = world > 1
-
-        # d loss / d loss_i for an upstream gradient of 1: 0 for ignored tokens.
-        count = (~ignored).sum()
-        per_token = torch.ones((), dtype=accum, device=device)
-        if reduction == "mean":
-            per_token = per_token / count.clamp(min=1).to(accum)
-        token_grad = per_token.expand(bt).masked_fill(ignored, 0.0)
-        # fp16 G is rounded with a per-token gradient of 1, not 1/count: fp16's narrow
-        # range would flush small probabilities / count to zero (GradScaler's factor only
-        # arrives in the backward). The 1/count goes into the fp32 results instead.
-        post_scale = None
-        chunk_grad = token_grad
-        if hidden.dtype == torch.float16 and reduction == "mean":
-            post_scale, chunk_grad = per_token, (~ignored).to(accum)
+        device, group = hidden.device, call.process_group
+        world = world_size(group)
+        token_grad = (~ignored).to(accum)  # d loss_sum / d loss_i: 1, 0 where ignored
 
         f = dict(dtype=accum, device=device)
-        grad_input = torch.empty((bt, h), **f) if need_input else None
+        grad_input = torch.empty((bt, h), **f) if needs[0] else None
         # Written by the first chunk (no zero-fill pass); zeros when there are no tokens.
         fill = torch.zeros if bt == 0 else torch.empty
-        grad_weight = fill((v, h), **f) if need_weight else None
-        grad_bias = fill(v, **f) if need_bias else None
-        losses, lse = torch.empty(bt, **f), torch.empty(bt, **f)
-        logits_max, sum_exp = torch.empty(bt, **f), torch.empty(bt, **f)
+        grad_weight = fill(weight.shape, **f) if needs[1] else None
+        grad_bias = fill(weight.shape[0], **f) if needs[2] else None
+        fields = ("loss", "lse", "logits_max", "sum_exp", "target_weight")
+        per_token = {k: torch.empty(bt, **f) for k in fields}
+        weight_sum = None
 
-        rows = chunk_rows(bt, layout.global_size, world, device.type)
-        # The torch backend keeps the chunk in the GEMM's own output dtype (half on a CPU
-        # with half GEMMs: nothing is lost, half the bytes) and forms G in place; not
-        # with a softcap or a bias, which are applied in fp32.
-        chunk_dtype = accum
-        if backend == "torch" and opts.softcap is None and bias is None:
-            chunk_dtype = precision.product_dtype(hidden.dtype, device.type)
-        chunk = torch.empty((min(rows, bt), v), dtype=chunk_dtype, device=device)
-        forward_stats = backend_forward_stats(backend)
+        rows = chunk_rows(bt, call.layout.global_size, world, device.type)
+        chunk = torch.empty((min(rows, bt), weight.shape[0]), **f)
         waits = []  # the grad_input all-reduces in flight
         for r0 in range(0, bt, rows):
             r1 = min(bt, r0 + rows)
             x_c, t_c, z_c = hidden[r0:r1], local_target[r0:r1], chunk[: r1 - r0]
-            stats = forward_stats(x_c, weight, t_c, z_c, **stats_options(bias, opts))
-            loss_c, lse_c, max_c, sum_c = reduce_statistics(
-                *stats, process_group, opts, layout.global_size
-            )
-            losses[r0:r1], lse[r0:r1] = loss_c, lse_c
-            logits_max[r0:r1], sum_exp[r0:r1] = max_c, sum_c
-            if not (need_input or need_weight or need_bias):
+            c_call = _chunk_call(call, r0, r1)
+            stats = forward_stats(c_call, x_c, weight, bias, t_c, z_c)
+            token = reduce_statistics(stats, t_c, c_call)
+            for k in fields[:4]:
+                per_token[k][r0:r1] = getattr(token, k)
+            if token.target_weight is not None:
+                per_token["target_weight"][r0:r1] = token.target_weight
+                weight_sum = token.weight_sum
+            if not any(needs):
                 continue
-            fused_gradients(
-                backend,
-                chunk_grad[r0:r1],
-                x_c,
-                weight,
-                bias,
-                t_c,
-                opts,
-                layout.global_size,
-                logits=z_c,
-                logits_max=max_c,
-                sum_exp=sum_c,
-                prob_scale=z_loss_scale(lse_c, opts.z_loss),
-                need_input=need_input,
-                need_weight=need_weight,
-                need_bias=need_bias,
+            buffers = dict(
                 grad_input_dtype=accum,
-                reuse_logits=True,
                 grad_input_out=None if grad_input is None else grad_input[r0:r1],
                 grad_weight_acc=grad_weight,
                 grad_bias_acc=grad_bias,
                 accumulate=r0 > 0,  # the first chunk writes the (empty) accumulators
             )
-            if tp and need_input:
+            source = dict(logits=z_c, reuse_logits=True)
+            grad = token_grad[r0:r1]
+            shard_gradients(
+                c_call, grad, x_c, weight, bias, t_c, token, needs, source=source, **buffers
+            )
+            if world > 1 and needs[0]:
                 rows_gi = grad_input[r0:r1]
                 if OVERLAP:
-                    waits.append(all_reduce_async(rows_gi, "SUM", process_group, "grad_input"))
+                    waits.append(all_reduce_async(rows_gi, "SUM", group, "grad_input"))
                 else:
-                    all_reduce(rows_gi, "SUM", process_group, "grad_input")
+                    all_reduce(rows_gi, "SUM", group, "grad_input")
         del chunk
         for wait in waits:
             wait()
 
-        losses.masked_fill_(ignored, 0.0)
-        lse.masked_fill_(ignored, 0.0)
-        loss = losses.sum()
-        if reduction == "mean":
-            loss = loss / count.clamp(min=1)
-        ctx.mark_non_differentiable(lse)
+        if call.class_weight is None:
+            per_token["target_weight"] = token_grad.clone()
+        weights = per_token["target_weight"].masked_fill_(ignored, 0.0)
+        loss = per_token["loss"].masked_fill_(ignored, 0.0).sum()
+        lse = per_token["lse"].masked_fill_(ignored, 0.0)
+        ctx.mark_non_differentiable(lse, weights)
         ctx.set_materialize_grads(False)
         # What a second backward (retain_graph=True) needs to recompute the gradients.
-        prob_scale = z_loss_scale(lse, opts.z_loss)
         ctx.save_for_backward(
-            hidden, weight, bias, local_target, token_grad, logits_max, sum_exp, prob_scale
-        )
-        ctx.grads = [grad_input, grad_weight, grad_bias]  # handed out by the first backward
-        ctx.post_scale = post_scale
-        ctx.device_type = device.type
-        ctx.dtypes = (hidden.dtype, hidden.dtype if bias is None else bias.dtype)
-        ctx.process_group, ctx.opts, ctx.backend = process_group, opts, backend
-        ctx.global_size = layout.global_size
-        return loss, lse
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
-        def compute(need):
-            if ctx.grads is None:  # handed out already: a second backward of the graph
-                return GradInForwardLinearCE._recompute(ctx, grad_loss, need)
-            grads, ctx.grads = ctx.grads, None  # ours alone now: scaled in place
-            scale = grad_loss if ctx.post_scale is None else grad_loss * ctx.post_scale
-            return _scaled(grads, scale, *ctx.dtypes, need)
-
-        grads = guarded_backward(ctx, grad_loss, compute)
-        return (*grads, None, None, None, None, None, None, None)
-
-    @staticmethod
-    def _recompute(ctx, grad_loss, need):
-        """The gradients again, memory-saving style (a second backward of the graph)."""
-        hidden, weight, bias, local_target, token_grad, logits_max, sum_exp, prob_scale = (
-            ctx.saved_tensors
-        )
-        accum = precision.accumulate_dtype(hidden.dtype)
-        tp = world_size(ctx.process_group) > 1
-        grad_input, grad_weight, grad_bias = fused_gradients(
-            ctx.backend,
-            token_grad * grad_loss.to(accum),
             hidden,
             weight,
             bias,
             local_target,
-            ctx.opts,
-            ctx.global_size,
-            logits_max=logits_max,
-            sum_exp=sum_exp,
-            prob_scale=prob_scale,
-            need_input=need[0],
-            need_weight=need[1],
-            need_bias=need[2],
-            grad_input_dtype=accum if tp else None,
+            token_grad,
+            lse,
+            per_token["logits_max"],
+            per_token["sum_exp"],
+            None if call.class_weight is None else weights,
+            weight_sum,
         )
-        grad_input = sum_grad_input(grad_input, ctx.process_group, hidden.dtype)
-        return grad_input, grad_weight, grad_bias
+        ctx.grads = [grad_input, grad_weight, grad_bias]  # handed out by the first backward
+        ctx.device_type = device.type
+        ctx.dtypes = (hidden.dtype, hidden.dtype if bias is None else bias.dtype)
+        ctx.call = call
+        return loss, lse, weights
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse, grad_weights):
+        def compute(need):
+            if ctx.grads is None:  # handed out already: a second backward of the graph
+                return GradInForwardLinearCE._recompute(ctx, grad_loss, need)
+            grads, ctx.grads = ctx.grads, None  # ours alone now: scaled in place
+            return _scaled(grads, grad_loss, *ctx.dtypes, need)
+
+        grads = guarded_backward(ctx, grad_loss, compute)
+        return (*grads, None, None, None)
+
+    @staticmethod
+    def _recompute(ctx, grad_loss, need):
+        """The gradients again, memory-saving style (a second backward of the graph)."""
+        hidden, weight, bias, local_target, token_grad, *stats = ctx.saved_tensors
+        token = TokenStats(None, *stats)
+        accum = precision.accumulate_dtype(hidden.dtype)
+        grad = token_grad * grad_loss.to(accum)
+        grads = shard_gradients(ctx.call, grad, hidden, weight, bias, local_target, token, need)
+        grad_input = sum_grad_input(grads.input, ctx.call.process_group, hidden.dtype)
+        return grad_input, grads.weight, grads.bias
+
+
+def _chunk_call(call: Call, r0: int, r1: int) -> Call:
+    """``call`` for the token rows ``[r0, r1)`` (their per-row inverse temperatures)."""
+    if call.inv_temperature is None:
+        return call
+    return dataclasses.replace(call, inv_temperature=call.inv_temperature[r0:r1])
 
 
 def _scaled(grads, grad_loss, dtype, bias_dtype, need) -> tuple:

@@ -78,13 +78,13 @@ def resolve_layout(
     n = world_size(process_group)
     if n == 1:
         start = 0 if vocab_start_index is None else vocab_start_index
-        size = v_local if global_vocab_size is None else global_vocab_size
-        global_size = max(size, start + v_local)
+        global_size = v_local if global_vocab_size is None else global_vocab_size
         if global_vocab_size is not None and start + v_local > global_vocab_size:
             raise ValueError(
                 f"global_vocab_size: {global_vocab_size} is smaller than vocab_start_index "
                 f"{start} + {v_local} local rows"
             )
+        global_size = max(global_size, start + v_local)
         if global_size == 0:
             raise ValueError(
                 "weight: has 0 rows; without tensor parallelism the weight is the whole "

@@ -16,20 +16,17 @@ option of that function is an option of the head, including ones added to it lat
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from vocab_parallel import loss as _loss
+from vocab_parallel import options as _options
 from vocab_parallel.distributed import world_size
 from vocab_parallel.layout import shard_bounds
-from vocab_parallel.loss import vocab_parallel_linear_cross_entropy
-
-# Options of the loss that the head sets itself from its shard (not loss options).
-HEAD_OWNED = frozenset({"process_group", "vocab_start_index", "global_vocab_size"})
+from vocab_parallel.loss import LossOutput, run_loss
+from vocab_parallel.options import LAYOUT_OPTIONS, OPTION_NAMES, LossOptions, shown_options
 
 
 def mark_tensor_parallel(param: torch.Tensor, partition_dim: int = 0) -> torch.Tensor:
@@ -40,78 +37,13 @@ def mark_tensor_parallel(param: torch.Tensor, partition_dim: int = 0) -> torch.T
     return param
 
 
-def loss_option_defaults() -> dict[str, Any]:
-    """The keyword options of :func:`vocab_parallel_linear_cross_entropy` that a head passes
-    on, with their defaults (read from its signature: new options appear here by
-    themselves)."""
-    params = inspect.signature(vocab_parallel_linear_cross_entropy).parameters
-    return {
-        name: p.default
-        for name, p in params.items()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in HEAD_OWNED
-    }
-
-
-def resolve_loss_options(options: dict[str, Any], **layout: Any) -> dict[str, Any]:
-    """All loss options: the defaults of the loss, overridden by ``options``; validated.
-
-    Raises ``TypeError`` for a name that is not an option of the loss, and what the loss's
-    own option check raises for a bad value (checked here, at construction, rather than at
-    the first forward). ``layout`` (``vocab_start_index``...) takes part in that check.
-    """
-    defaults = loss_option_defaults()
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        owned = sorted(set(unknown) & HEAD_OWNED)
-        if owned:
-            raise TypeError(f"{owned[0]}: set by the head from its shard, not a loss option")
-        raise TypeError(
-            f"{unknown[0]}: not an option of vocab_parallel_linear_cross_entropy "
-            f"(its options: {', '.join(defaults)})"
-        )
-    resolved = defaults | dict(options)
-    check = getattr(_loss, "check_options", None)
-    if check is not None:
-        values = resolved | layout
-        params = inspect.signature(check).parameters
-        required = [
-            n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in values
-        ]
-        if not required:  # else the loss checks its options at the first call
-            check(**{n: values[n] for n in params if n in values})
-    return resolved
-
-
-def check_num_items_in_batch(num_items_in_batch: Any) -> None:
-    """``num_items_in_batch``: an int >= 1, or a 0-d / one-element real tensor (its value is
-    not read: that would synchronise with the device)."""
-    n = num_items_in_batch
-    if isinstance(n, torch.Tensor):
-        if n.numel() != 1 or n.dim() > 1:
-            raise ValueError(
-                "num_items_in_batch: expected a 0-d or one-element tensor, got shape "
-                f"{tuple(n.shape)}"
-            )
-        if n.dtype == torch.bool or n.dtype.is_complex:
-            raise TypeError(f"num_items_in_batch: expected a real number tensor, got {n.dtype}")
-        return
-    if isinstance(n, bool) or not isinstance(n, int | float):
-        raise TypeError(
-            "num_items_in_batch: expected a positive int or a one-element tensor, got "
-            f"{type(n).__name__}"
-        )
-    if not n > 0:
-        raise ValueError(f"num_items_in_batch: expected a positive number, got {n!r}")
-
-
-def divide_by_num_items(total: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
-    """``total / num_items_in_batch`` (a count of 0 in a tensor gives ``total``, i.e. 0 for an
-    all-ignored batch, not NaN)."""
-    if isinstance(num_items_in_batch, torch.Tensor):
-        n = num_items_in_batch.detach().reshape(()).to(device=total.device)
-        n = torch.where(n > 0, n, torch.ones_like(n))
-        return total / n
-    return total / num_items_in_batch
+def head_options(options: dict[str, Any]) -> LossOptions:
+    """The :class:`LossOptions` of a head from its keyword options: validated at
+    construction, not at the first forward; the layout options are the head's own."""
+    owned = sorted(set(options) & (LAYOUT_OPTIONS | {"process_group"}))
+    if owned:
+        raise TypeError(f"{owned[0]}: set by the head from its shard, not a loss option")
+    return _options.loss_options(**options)
 
 
 class VocabParallelLMHead(nn.Module):
@@ -151,8 +83,7 @@ class VocabParallelLMHead(nn.Module):
         own_bias = loss_options.get("bias") is True
         if isinstance(loss_options.get("bias"), bool):
             loss_options.pop("bias")
-        # fail at construction rather than at the first forward
-        self.loss_options = resolve_loss_options(loss_options, vocab_start_index=vocab_start_index)
+        self.options = head_options(loss_options)  # fails here, not at the first forward
         for name, value in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
@@ -245,6 +176,11 @@ class VocabParallelLMHead(nn.Module):
         dist.all_reduce(full, group=self.process_group)  # shards are disjoint: SUM = gather
         return full.to(self.weight.dtype)
 
+    @property
+    def loss_options(self) -> dict[str, Any]:
+        """The head's loss options by name (read-only view of ``self.options``)."""
+        return {name: getattr(self.options, name) for name in OPTION_NAMES}
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -252,7 +188,7 @@ class VocabParallelLMHead(nn.Module):
         *,
         reduction: str | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | LossOutput:
         """Loss of ``hidden [..., H]`` against global token ids ``target [...]``.
 
         Args:
@@ -265,9 +201,11 @@ class VocabParallelLMHead(nn.Module):
                 tensor count of 0 gives 0, not NaN). With it, ``reduction`` may only be
                 ``None`` or ``"sum"``.
         """
-        options = self.loss_options
+        changes: dict[str, Any] = {
+            "vocab_start_index": self.vocab_start_index,
+            "global_vocab_size": self.vocab_size,  # layout known: no collective per call
+        }
         if num_items_in_batch is not None:
-            check_num_items_in_batch(num_items_in_batch)
             if reduction not in (None, "sum"):
                 raise ValueError(
                     f"reduction: {reduction!r} cannot be combined with num_items_in_batch "
@@ -275,31 +213,17 @@ class VocabParallelLMHead(nn.Module):
                 )
             reduction = "sum"
         if reduction is not None:
-            options = options | {"reduction": reduction}
+            changes["reduction"] = reduction
         if self.bias is not None:
-            options = options | {"bias": self.bias}
-        out = vocab_parallel_linear_cross_entropy(
-            hidden,
-            self.weight,
-            target,
-            process_group=self.process_group,
-            vocab_start_index=self.vocab_start_index,
-            global_vocab_size=self.vocab_size,  # layout known: no collective per call
-            **options,
-        )
-        if num_items_in_batch is None:
-            return out
-        if isinstance(out, tuple):  # e.g. (loss, extras): only the loss is divided
-            return (divide_by_num_items(out[0], num_items_in_batch), *out[1:])
-        return divide_by_num_items(out, num_items_in_batch)
+            changes["bias"] = self.bias
+        opts = self.options.replace(**changes)
+        return run_loss(hidden, self.weight, target, opts, self.process_group, num_items_in_batch)
 
     def extra_repr(self) -> str:
-        def show(v):
-            return f"Tensor{list(v.shape)}" if isinstance(v, torch.Tensor) else repr(v)
-
+        shown = shown_options(self.options)
         return (
             f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, "
-            f"rows=[{self.vocab_start_index}, {self.vocab_end_index}), "
-            + ("bias=True, " if self.bias is not None else "")
-            + ", ".join(f"{k}={show(v)}" for k, v in self.loss_options.items())
+            f"rows=[{self.vocab_start_index}, {self.vocab_end_index})"
+            + (", bias=True" if self.bias is not None else "")
+            + (f", {shown}" if shown else "")
         )

@@ -1,4 +1,4 @@
-"""The precision policy of every matrix product in the library (SPEC.md section 5).
+"""The precision policy of every matrix product in the library (docs/design.md, "Precision").
 
 On every device: logits and both gradient products accumulate in fp32, and ``G`` is
 rounded to the input dtype once, before the gradient products. How a device gets there

@@ -1,4 +1,4 @@
-"""Float64 references: the formulas of SPEC.md written as plainly as possible.
+"""Float64 references: the formulas of docs/design.md written as plainly as possible.
 
 Tests and benchmarks compare every backend against these. They materialise ``[BT, V]``
 on purpose; they are for checking, not for training.
@@ -21,25 +21,35 @@ def linear_cross_entropy_reference(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    class_weight: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss with every option, in plain torch ops: ``(loss, lse)``.
 
-    ``z = softcap * tanh(F.linear(hidden, weight, bias) / softcap)`` (no cap without
-    ``softcap``); ``loss_i = F.cross_entropy(z_i, target_i) + z_loss * logsumexp(z_i)^2``
-    for non-ignored tokens, 0 for ignored ones; ``"mean"`` over non-ignored tokens (0 when
-    all are ignored, where torch gives NaN). ``lse`` is ``logsumexp(z)`` (0 where ignored),
-    detached. Computed in the tensors' dtype: pass float64 leaves (requiring grad) to
-    read the reference gradients with ``backward``.
+    ``z = softcap * tanh(F.linear(hidden, weight, bias) / softcap) / temperature`` (no cap
+    without ``softcap``; ``temperature`` a float or shaped like ``target``);
+    ``loss_i = F.cross_entropy(z_i, target_i, weight=class_weight) + z_loss *
+    logsumexp(z_i)^2`` for non-ignored tokens, 0 for ignored ones; ``"mean"`` divides by
+    the targets' class weights summed over non-ignored tokens (their count without class
+    weights; 0 when all are ignored, where torch gives NaN). ``lse`` is ``logsumexp(z)``
+    (0 where ignored), detached. Computed in the tensors' dtype: pass float64 leaves
+    (requiring grad) to read the reference gradients with ``backward``.
     """
     z = F.linear(hidden, weight, bias)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
+    if isinstance(temperature, torch.Tensor):
+        z = z / temperature.to(z.dtype)[..., None]
+    elif temperature != 1.0:
+        z = z / temperature
     z2 = z.reshape(-1, z.shape[-1])
     t = target.reshape(-1)
     valid = t != ignore_index
+    cw = None if class_weight is None else class_weight.to(z2.dtype)
     per = F.cross_entropy(
-        z2, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
-    )
+        z2, t, weight=cw, ignore_index=ignore_index, label_smoothing=label_smoothing,
+        reduction="none",
+    )  # fmt: skip
     lse = torch.logsumexp(z2, dim=-1)
     if z_loss:
         per = per + z_loss * torch.where(valid, lse.square(), 0.0)
@@ -48,7 +58,10 @@ def linear_cross_entropy_reference(
         return per.reshape(target.shape), lse
     if reduction == "sum":
         return per.sum(), lse
-    return per.sum() / valid.sum().clamp(min=1), lse
+    if cw is None:
+        return per.sum() / valid.sum().clamp(min=1), lse
+    total = cw[t.clamp(min=0)].masked_fill(~valid, 0.0).sum()
+    return per.sum() / torch.where(total != 0, total, torch.ones_like(total)), lse
 
 
 def loss_grad_reference(

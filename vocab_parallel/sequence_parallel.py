@@ -11,12 +11,9 @@ token on every rank (each rank scores all tokens against its vocabulary rows), s
               the largest slice: gloo and NCCL gather equal sizes);
     backward  each rank keeps the rows of ``grad_input`` of its own tokens.
 
-The loss of :mod:`vocab_parallel.autograd` already sums ``grad_input`` over the group (an
-fp32 all-reduce), so the gradient of the gathered hidden states arrives complete and
-identical on every rank: the backward of the gather is then a slice, no collective.
-:class:`GatherTokens` also has the cheaper form for a loss that leaves ``grad_input``
-partial (each rank's vocabulary rows only): a padded fp32 reduce-scatter, half the bytes
-of that all-reduce (``grad_reduced=False``).
+The loss already sums ``grad_input`` over the group (an fp32 all-reduce), so the gradient
+of the gathered hidden states arrives complete and identical on every rank: the backward
+of the gather is then a slice, no collective.
 
 With ``reduction="none"`` a rank's per-token losses are those of its own tokens
 (:func:`own_tokens`); their upstream gradients are all-gathered in the backward (fp32,
@@ -96,7 +93,6 @@ def _collective(
 
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def exchange_sizes(
@@ -158,64 +154,26 @@ def all_gather_rows(x: torch.Tensor, slices: TokenSlices, what: str) -> torch.Te
     return torch.cat([padded[r * most : r * most + s] for r, s in enumerate(slices.sizes)])
 
 
-def reduce_scatter_rows(
-    partial: torch.Tensor, slices: TokenSlices, what: str, dtype: torch.dtype
-) -> torch.Tensor:
-    """``[N, ...]`` partial sums on each rank -> this rank's rows of their sum, ``[n_r, ...]``.
-
-    Summed in fp32 (float64 for float64; a padded reduce-scatter: equal sizes for gloo
-    and NCCL), returned in ``dtype``. Deterministic for a given group (no float atomics).
-    """
-    rest = tuple(partial.shape[1:])
-    n, most = len(slices.sizes), max(slices.sizes)
-    if slices.total == 0 or 0 in rest:
-        return partial.new_zeros((slices.size, *rest), dtype=dtype)
-    src = partial.to(torch.promote_types(partial.dtype, torch.float32))  # fp32, or fp64
-    if not slices.even:
-        padded = src.new_zeros((n * most, *rest))
-        for r, (start, size) in enumerate(_bounds(slices.sizes)):
-            padded[r * most : r * most + size] = src[start : start + size]
-        src = padded
-    out = src.new_empty((most, *rest))
-    _collective(
-        lambda: _reduce_scatter_single(out, src.contiguous(), group=slices.process_group),
-        f"reduce-scatter of {what} (sequence_parallel)",
-        slices.process_group,
-    )
-    return out[: slices.size].to(dtype)
-
-
-def _bounds(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for size in sizes:
-        out.append((start, size))
-        start += size
-    return out
-
-
 class GatherTokens(torch.autograd.Function):
     """``hidden [n_r, H] -> [N, H]``: all ranks' tokens forward; this rank's rows backward.
 
-    ``grad_reduced=True``: the gradient of the gathered tokens is already summed over the
-    group (what the loss of :mod:`vocab_parallel.autograd` produces): keep this rank's
-    rows. ``grad_reduced=False``: it is this rank's partial sum: reduce-scatter it (fp32).
+    The gradient of the gathered tokens arrives already summed over the group (the loss's
+    ``grad_input`` all-reduce), identical on every rank: the backward keeps this rank's
+    rows, no collective.
     """
 
     @staticmethod
-    def forward(ctx, hidden, slices, grad_reduced):
-        ctx.slices, ctx.grad_reduced, ctx.dtype = slices, grad_reduced, hidden.dtype
+    def forward(ctx, hidden, slices):
+        ctx.slices, ctx.dtype = slices, hidden.dtype
         return all_gather_rows(hidden, slices, "hidden")
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         s = ctx.slices
-        if ctx.grad_reduced:
-            # A copy: a view would keep the whole [N, H] gradient alive as hidden.grad.
-            mine = grad.narrow(0, s.offset, s.size).clone()
-        else:
-            mine = reduce_scatter_rows(grad, s, "grad_input", ctx.dtype)
-        return mine.to(ctx.dtype), None, None
+        # A copy: a view would keep the whole [N, H] gradient alive as hidden.grad.
+        mine = grad.narrow(0, s.offset, s.size).clone()
+        return mine.to(ctx.dtype), None
 
 
 class OwnTokens(torch.autograd.Function):
@@ -239,21 +197,25 @@ def gather_tokens(
     target: torch.Tensor,
     process_group: dist.ProcessGroup | None,
     *,
-    grad_reduced: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, TokenSlices | None]:
-    """All tokens of the group from this rank's slice: ``(hidden [N, H], target [N], slices)``.
+    extra: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, TokenSlices | None, torch.Tensor | None]:
+    """All tokens of the group from this rank's slice: ``(hidden [N, H], target [N],
+    slices, extra [N])``.
 
-    ``hidden`` is this rank's ``[n_r, H]``, ``target`` its ``[n_r]``. Alone (no group, or one
-    rank) nothing happens and ``slices`` is None. The gathered hidden states carry the
-    backward of :class:`GatherTokens`; the targets need none.
+    ``hidden`` is this rank's ``[n_r, H]``, ``target`` its ``[n_r]``, ``extra`` an optional
+    per-token fp32 ``[n_r]`` (a temperature per token) gathered like the targets. Alone (no
+    group, or one rank) nothing happens and ``slices`` is None. The gathered hidden states
+    carry the backward of :class:`GatherTokens`; the others need none.
     """
     if world_size(process_group) == 1:
-        return hidden, target, None
+        return hidden, target, None, extra
     wants_grad = torch.is_grad_enabled() and hidden.requires_grad
     slices = exchange_sizes(hidden, process_group, wants_grad)
-    hidden_all = GatherTokens.apply(hidden, slices, grad_reduced)
+    hidden_all = GatherTokens.apply(hidden, slices)
     target_all = all_gather_rows(target, slices, "target")
-    return hidden_all, target_all, slices
+    if extra is not None:
+        extra = all_gather_rows(extra, slices, "temperature")
+    return hidden_all, target_all, slices, extra
 
 
 def own_tokens(per_token: torch.Tensor, slices: TokenSlices | None) -> torch.Tensor:

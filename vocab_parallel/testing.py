@@ -24,7 +24,8 @@ from vocab_parallel.reference import linear_cross_entropy_reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Relative (to the reference's largest magnitude) error allowed per input dtype. Half
-# precision is bounded by rounding G to the input dtype before the products (SPEC).
+# precision is bounded by rounding G to the input dtype before the products
+# (docs/design.md, "Precision").
 TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 5e-3}
 # The loss itself accumulates exact products in fp32 whatever the input dtype...
 LOSS_TOLERANCE = 1e-5
@@ -62,6 +63,8 @@ class Case:
     z_loss: float = 0.0
     bias: bool = False  # a [V] bias, this rank's rows passed with the shard
     return_lse: bool = False  # also compare the returned lse
+    class_weight: bool = False  # [V] class weights in [0.5, 2], this rank's rows passed
+    temperature: str | None = None  # None, "scalar" (0.7) or "tensor" (one per token)
 
 
 def grid(
@@ -117,12 +120,31 @@ def _bias(case: Case, device: torch.device) -> torch.Tensor | None:
     return torch.randn(case.vocab, generator=g).to(DTYPES[case.dtype]).to(device)
 
 
+def _weights(case: Case, device: torch.device):
+    """The case's full ``[V]`` class weights and its temperature (a float or ``[BT]``), from
+    their own generator (``_problem`` is unchanged by them)."""
+    g = torch.Generator().manual_seed(case.seed + 104729)
+    cw = torch.rand(case.vocab, generator=g) * 1.5 + 0.5
+    temp = torch.rand(case.tokens, generator=g) * 1.5 + 0.5
+    class_weight = cw.to(device) if case.class_weight else None
+    if case.temperature is None:
+        return class_weight, 1.0
+    if case.temperature == "scalar":
+        return class_weight, 0.7
+    return class_weight, temp.to(device)
+
+
+def _sliced(temperature, rows):
+    return temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+
+
 def check_case(case: Case, process_group: dist.ProcessGroup | None, device: torch.device) -> dict:
     """Run one case on this rank; returns its errors and verdict (no collectives but the loss's)."""
     world = 1 if process_group is None else dist.get_world_size(process_group)
     rank = 0 if process_group is None else dist.get_rank(process_group)
     x, w_full, y, upstream, scalar = _problem(case, device)
     b_full = _bias(case, device)
+    cw_full, temperature = _weights(case, device)
     shard = rank if case.layout == "contiguous" else world - 1 - rank
     lo, hi = shard_bounds(case.vocab, world)[shard]
     # The reversed layout also states the global size: the path without the layout collective.
@@ -138,6 +160,8 @@ def check_case(case: Case, process_group: dist.ProcessGroup | None, device: torc
         options["z_loss"] = case.z_loss
     if case.return_lse:
         options["return_lse"] = True
+    if cw_full is not None:
+        options["class_weight"] = cw_full[lo:hi]
     out = vocab_parallel_linear_cross_entropy(
         hidden,
         weight,
@@ -149,6 +173,7 @@ def check_case(case: Case, process_group: dist.ProcessGroup | None, device: torc
         label_smoothing=case.label_smoothing,
         mode=case.mode,
         backend=case.backend,
+        temperature=temperature,
         **options,
     )
     loss, lse = out if case.return_lse else (out, None)
@@ -167,6 +192,8 @@ def check_case(case: Case, process_group: dist.ProcessGroup | None, device: torc
         z_loss=case.z_loss,
         reduction=case.reduction,
         label_smoothing=case.label_smoothing,
+        class_weight=cw_full,
+        temperature=temperature,
     )
     if case.reduction == "mean" and case.all_ignored:  # torch gives NaN; we promise 0
         ref = (F.linear(x64, w64, b64).sum() * 0.0).reshape(())
@@ -227,19 +254,28 @@ def _rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _plain_options_only(case: Case) -> None:
-    """The layout checks below compare with the plain cross entropy: refuse a case with
-    softcap, z_loss, bias or return_lse (its reference is :func:`check_case`'s)."""
+    """The layout checks below compare with the cross entropy with class weights and
+    temperature only: refuse a case with softcap, z_loss, bias or return_lse (its
+    reference is :func:`check_case`'s)."""
     on = [n for n in ("softcap", "z_loss", "bias", "return_lse") if getattr(case, n, None)]
     if on:
         raise ValueError(f"case: {', '.join(on)} not supported by this check (use check_case)")
 
 
 def _plain_reference(case: Case, x, w_full, y, upstream, scalar_up):
-    """The unsharded float64 loss (options off) and its gradients: ``(ref, x64, w64)``."""
+    """The unsharded float64 loss (class weights and temperature the only options) and its
+    gradients: ``(ref, x64, w64)``."""
     x64 = x.double().requires_grad_(True)
     w64 = w_full.double().requires_grad_(True)
-    ref = F.cross_entropy(
-        F.linear(x64, w64), y, reduction=case.reduction, label_smoothing=case.label_smoothing
+    cw_full, temperature = _weights(case, x.device)
+    ref, _ = linear_cross_entropy_reference(
+        x64,
+        w64,
+        y,
+        reduction=case.reduction,
+        label_smoothing=case.label_smoothing,
+        class_weight=cw_full,
+        temperature=temperature,
     )
     if case.reduction == "mean" and case.all_ignored:
         ref = (F.linear(x64, w64).sum() * 0.0).reshape(())  # torch gives NaN; we promise 0
@@ -267,10 +303,13 @@ def check_sequence_parallel_case(
 
     hidden = x[mine].clone().requires_grad_(True)
     weight = w_full[lo:hi].clone().requires_grad_(True)
+    cw_full, temperature = _weights(case, device)
     loss = vocab_parallel_linear_cross_entropy(
         hidden,
         weight,
         y[mine],
+        class_weight=None if cw_full is None else cw_full[lo:hi],
+        temperature=_sliced(temperature, mine),
         process_group=process_group,
         vocab_start_index=start,
         global_vocab_size=global_size,
@@ -335,10 +374,14 @@ def check_dtensor_case(case: Case, mesh, hidden_as: str = "plain") -> dict:
         if hidden_as == "shard_sp_dtarget":
             target = distribute_tensor(y, mesh, [Shard(0)])
     mine = hidden_rows if sp else slice(0, case.tokens)  # the tokens of the loss here
+    cw_full, temperature = _weights(case, device)
+    class_weight = None if cw_full is None else distribute_tensor(cw_full, mesh, [Shard(0)])
     loss = vocab_parallel_linear_cross_entropy(
         hidden,
         weight,
         target,
+        class_weight=class_weight,
+        temperature=_sliced(temperature, mine),
         reduction=case.reduction,
         label_smoothing=case.label_smoothing,
         mode=case.mode,

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vocab_parallel.lm_head import VocabParallelLMHead, loss_option_defaults
+from vocab_parallel.lm_head import VocabParallelLMHead
 from vocab_parallel.parallel import ModelParallelUnit, ParallelGroups
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -249,11 +249,6 @@ def head_from_autotp(layer: nn.Module, **loss_options) -> VocabParallelLMHead:
         )
     weight, bias = layer.weight, getattr(layer, "bias", None)
     if bias is not None:  # this rank's bias rows, the layer's parameter: passed to the loss
-        if "bias" not in loss_option_defaults():
-            raise ValueError(
-                f"layer: {type(layer).__name__} has a bias; this version of the "
-                "vocabulary-parallel loss supports none"
-            )
         if loss_options.get("bias") is not None:
             raise ValueError("bias: the layer has its own bias; do not pass one")
         loss_options = loss_options | {"bias": bias}

@@ -82,11 +82,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vocab_parallel.integrations.deepspeed import head_from_autotp
-from vocab_parallel.lm_head import (
-    VocabParallelLMHead,
-    loss_option_defaults,
-    resolve_loss_options,
-)
+from vocab_parallel.lm_head import VocabParallelLMHead, head_options
 
 _STATE = "_vocab_parallel_loss"  # the patch's state in the model's __dict__
 _MISSING = object()
@@ -129,7 +125,8 @@ def apply_vocab_parallel_loss(model: nn.Module, **loss_options: Any) -> nn.Modul
             the module docstring).
     """
     _check_model(model)
-    options = resolve_loss_options(_model_options(model, loss_options))
+    options = _model_options(model, loss_options)
+    head_options(options)  # a bad name or value fails now
     existing = model.__dict__.get(_STATE)
     if existing is None:
         original = model.forward
@@ -196,12 +193,6 @@ def _check_model(model: nn.Module) -> None:
         raise NotImplementedError(
             f"model: {name} is an encoder-decoder (config.is_encoder_decoder); only decoder-only "
             "causal LMs are supported"
-        )
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap is not None and "softcap" not in loss_option_defaults():
-        raise NotImplementedError(
-            f"model: {name} caps its logits (config.final_logit_softcapping={cap!r}); this "
-            "version of the vocabulary-parallel loss has no softcap option"
         )
     scale = getattr(config, "logit_scale", None)
     if scale is not None and scale != 1:

@@ -1,0 +1,182 @@
+"""Every rank agrees, or every rank fails alike: the fingerprint of a call.
+
+The ranks of the tensor-parallel group must pass the same options, the same tokens and
+targets, the same dtypes and the same gradient needs; where they do not, the loss is
+silently wrong (a label smoothing on one rank only), or the ranks enter collectives of
+different sizes and gloo aborts one process while the other waits (a different token
+count, hidden size or mode). So before any collective whose size depends on the inputs,
+each rank puts what must agree into one small float64 vector ``f`` and the group makes one
+SUM all-reduce of a ``[ranks, fields]`` table in which each rank fills its own row (a few
+hundred bytes). Every rank then reads every rank's values and raises the same
+``ValueError`` naming the parameter that differs and each rank's value
+(``docs/design.md``, "Collectives and agreement"). A rank whose own arguments were
+refused takes part too (with its flag set), so the others raise instead of waiting.
+
+What is compared: the options of the math and of execution, the dtypes and sizes, grad
+mode and ``requires_grad`` flags, and (without sequence parallelism, where each rank
+brings its own tokens) the token count and checksums of the targets and of ``hidden``.
+``check_inputs=False`` skips it (one small collective and a host sync per call).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from vocab_parallel.distributed import all_reduce, group_ranks, world_size
+from vocab_parallel.options import BACKENDS, MODES, REDUCTIONS, LossOptions
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Entries whose difference means another rank refused its arguments.
+REFUSED = "arguments refused on this rank"
+
+
+def _code(value, choices) -> float:
+    return float(choices.index(value)) if value in choices else -1.0
+
+
+def _checksum(t: torch.Tensor) -> list[float]:
+    """Two float64 checksums of ``t``: its sum and a position-weighted sum (a permutation
+    or a change of one element changes them; NaN is mapped to a fixed value)."""
+    if t.numel() == 0:
+        return [0.0, 0.0]
+    flat = t.detach().reshape(-1).to(torch.float64)
+    flat = torch.nan_to_num(flat, nan=7e10, posinf=5e10, neginf=-3e10)  # sums stay finite
+    ramp = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
+    ramp = torch.remainder(ramp, 1021.0) + 1.0
+    return [flat.sum(), (flat * ramp).sum()]
+
+
+# What is compared, in the order of the row every rank sends (the same length on every
+# rank: entries that do not apply are 0 on every rank), and the parameter an error names.
+FIELDS = (
+    (REFUSED, "process_group"),
+    ("reduction", "reduction"),
+    ("mode", "mode"),
+    ("backend", "backend"),
+    ("ignore_index", "ignore_index"),
+    ("label_smoothing", "label_smoothing"),
+    ("softcap", "softcap"),
+    ("z_loss", "z_loss"),
+    ("return_lse", "return_lse"),
+    ("sequence_parallel", "sequence_parallel"),
+    ("bias given", "bias"),
+    ("class_weight given", "class_weight"),
+    ("temperature as a tensor", "temperature"),
+    ("temperature", "temperature"),
+    ("dtype", "hidden"),
+    ("dtype", "weight"),
+    ("hidden size (last dim)", "hidden"),
+    ("grad mode (torch.is_grad_enabled())", "hidden"),
+    ("requires_grad", "hidden"),
+    ("requires_grad", "weight"),
+    ("requires_grad", "bias"),
+    ("numbers of tokens", "hidden"),
+    ("values (checksum)", "target"),
+    ("values (position checksum)", "target"),
+    ("values (checksum)", "hidden"),
+    ("values (position checksum)", "hidden"),
+    ("values (checksum)", "temperature"),
+)
+
+
+def fingerprint(
+    opts: LossOptions, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
+) -> list[object]:
+    """What must agree across the ranks for this call (``hidden [N, H]``, ``target [N]``
+    flattened, before any gathering), in the order of :data:`FIELDS`; floats or 0-d
+    tensors (the checksums stay on the device until the one collective)."""
+    temp = opts.temperature
+    grad = torch.is_grad_enabled()
+    bias = opts.bias
+    f = [
+        0.0,
+        _code(opts.reduction, REDUCTIONS),
+        _code(opts.mode, MODES),
+        _code(opts.backend, BACKENDS),
+        float(opts.ignore_index),
+        opts.label_smoothing,
+        -1.0 if opts.softcap is None else opts.softcap,
+        opts.z_loss,
+        float(opts.return_lse),
+        float(opts.sequence_parallel),
+        float(bias is not None),
+        float(opts.class_weight is not None),
+        float(isinstance(temp, torch.Tensor)),
+        0.0 if isinstance(temp, torch.Tensor) else float(temp),
+        _code(hidden.dtype, _DTYPES),
+        _code(weight.dtype, _DTYPES),
+        float(hidden.shape[-1]),
+        float(grad),
+        float(grad and hidden.requires_grad),
+        float(grad and weight.requires_grad),
+        float(grad and bias is not None and bias.requires_grad),
+    ]
+    if opts.sequence_parallel:  # each rank brings its own tokens: nothing to compare
+        return f + [0.0] * 6
+    f.append(float(target.shape[0]))
+    f += _checksum(target) + _checksum(hidden)
+    f.append(_checksum(temp)[1] if isinstance(temp, torch.Tensor) else 0.0)
+    return f
+
+
+def _shown(field: int, value: float) -> str:
+    """A fingerprint entry as the user knows it (codes back to names)."""
+    name = FIELDS[field][0]
+    if name == "dtype":
+        return str(_DTYPES[int(value)]).removeprefix("torch.") if value >= 0 else "other"
+    for n, choices in (("reduction", REDUCTIONS), ("mode", MODES), ("backend", BACKENDS)):
+        if name == n and 0 <= value < len(choices):
+            return repr(choices[int(value)])
+    if name == "softcap" and value == -1.0:
+        return "None"
+    return f"{value:g}"
+
+
+def check_agreement(
+    values: list[object] | None,
+    process_group: dist.ProcessGroup | None,
+    device: torch.device,
+    own_error: BaseException | None = None,
+) -> None:
+    """One SUM all-reduce of a ``[ranks, fields]`` table (each rank fills its row): every
+    rank then reads every rank's fingerprint and raises the same ``ValueError`` when they
+    differ, naming the parameter and each rank's value. ``own_error``: this rank's refusal
+    of its arguments (``values`` is then None), raised here after the collective; the
+    other ranks raise a ``ValueError`` naming the rank that refused."""
+    n = world_size(process_group)
+    if n == 1:
+        if own_error is not None:
+            raise own_error
+        return
+    rank, k = dist.get_rank(process_group), len(FIELDS)
+    table = torch.zeros((n, k), dtype=torch.float64, device=device)
+    if values is None:
+        table[rank, 0] = 1.0
+    else:
+        table[rank] = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64).to(device) for v in values]
+        )
+    all_reduce(table, "SUM", process_group, "agreement of the ranks (options, inputs)")
+    rows = table.tolist()
+    names = [f"rank {r}" for r in group_ranks(process_group)]
+    refused_by = [name for name, row in zip(names, rows, strict=True) if row[0] != 0.0]
+    if refused_by:
+        if own_error is not None:
+            raise own_error
+        raise ValueError(
+            f"process_group: {', '.join(refused_by)} of the group refused its arguments (its "
+            "error names the parameter); every rank must pass the same options and tokens"
+        )
+    for field, (what, param) in enumerate(FIELDS):
+        column = [row[field] for row in rows]
+        if len(set(column)) == 1:
+            continue
+        per_rank = ", ".join(
+            f"{name}: {_shown(field, v)}" for name, v in zip(names, column, strict=True)
+        )
+        raise ValueError(
+            f"{param}: the ranks of process_group pass different {what} ({per_rank}); every "
+            "rank of the tensor-parallel group must pass the same options, dtypes, gradient "
+            "needs, tokens, targets and hidden states"
+        )

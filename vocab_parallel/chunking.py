@@ -1,0 +1,151 @@
+"""The chunk loop of the backward shared by both backends: the two gradient GEMMs.
+
+Both backends produce ``G`` one vocabulary chunk at a time (the torch backend with torch
+ops, the Triton backend with its fused kernel) and hand each chunk to
+:func:`gradient_products`, which multiplies it out: ``grad_input += G_c @ W_c`` and
+``grad_weight[v0:v1] = G_c.T @ x``, every product through ``vocab_parallel.precision``
+(fp32 accumulation and fp32 results on every device; float64 for float64 inputs). A
+fixed chunk order and plain GEMMs make the results bitwise deterministic
+(``docs/design.md``, "Backends").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vocab_parallel import precision
+from vocab_parallel.backend import Grads, Outputs
+
+# make_g(v0, v1, x_op, w_op) -> G[:, v0:v1], fp32 or x.dtype (rounded by the loop).
+MakeG = Callable[[int, int, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
+
+
+def chunk_columns(bt: int, v: int, chunk_bytes: int, h: int = 0) -> int:
+    """Columns per vocabulary chunk of the torch backend: an fp32 ``[bt, cols]`` chunk of
+    logits, and the fp32 ``[cols, h]`` product of ``grad_weight``'s rows, each fit
+    ``chunk_bytes``; a multiple of 64, at least 256, at most ``v``."""
+    cols = chunk_bytes // max(1, bt * 4, h * 4)
+    cols = max(256, cols // 64 * 64)
+    return max(1, min(v, cols))
+
+
+def gradient_products(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cv: int,
+    make_g: MakeG,
+    out: Outputs,
+    *,
+    g_reads_operands: bool,
+    bias_grad_dtype: torch.dtype | None = None,
+) -> Grads:
+    """``grad_input = G @ weight`` and ``grad_weight = G.T @ x`` over vocabulary chunks.
+
+    For each chunk of ``cv`` columns (in order), ``make_g(v0, v1, x_op, w_op)`` gives
+    ``G[:, v0:v1]`` (``x_op``, ``w_op``: ``x`` and ``weight[v0:v1]`` in the GEMM operand
+    dtype, for a ``make_g`` that ``g_reads_operands``; else None unless a product needs
+    them). Its
+    values are rounded to ``x.dtype`` here, then ``grad_input`` accumulates ``G_c @ W_c``
+    in fp32 and ``grad_weight[v0:v1] = G_c.T @ x`` (fp32, rounded once). A fixed chunk
+    order and plain GEMMs: bitwise deterministic. A gradient that is not needed costs no
+    GEMM and no memory and comes back as None.
+
+    With ``out.need_bias``: ``grad_bias = G.sum(0)`` ``[V]``, the same rounded ``G``
+    summed in fp32, in ``bias_grad_dtype`` (default the input dtype).
+
+    ``out`` (:class:`vocab_parallel.backend.Outputs`) says which gradients are wanted and
+    holds the caller's buffers (``grad_input`` written into ``grad_input_out``; products
+    added to ``grad_weight_acc`` / ``grad_bias_acc``, or written when not
+    ``accumulate``), each returned in place of the gradient it holds.
+    """
+    bt, h = x.shape
+    v = weight.shape[0]
+    dtype, device = x.dtype, x.device
+    need_input_grad, need_weight_grad = out.need_input, out.need_weight
+    need_bias_grad = out.need_bias
+    if need_bias_grad and bias_grad_dtype is None:
+        bias_grad_dtype = dtype
+    grad_input_dtype, accumulate = out.grad_input_dtype, out.accumulate
+    grad_input_out, grad_weight_acc = out.grad_input_out, out.grad_weight_acc
+    grad_bias_acc = out.grad_bias_acc
+    if not (need_input_grad or need_weight_grad or need_bias_grad):
+        return Grads(None, None, None)
+    gi_dtype = grad_input_dtype or dtype
+    # H = 0: empty products, but the bias alone still makes logits (and a bias gradient).
+    if bt == 0 or v == 0 or (h == 0 and not need_bias_grad):
+        return _no_products(x, weight, out, gi_dtype, bias_grad_dtype)
+
+    operand = precision.operand_dtype(dtype, device.type)
+    accum = precision.accumulate_dtype(dtype)
+    x_op = x.to(operand) if (need_weight_grad or g_reads_operands) else None
+    grad_weight = acc_w = None  # acc_w: the caller's accumulator, else rows are written
+    if need_weight_grad:
+        acc_w = grad_weight_acc
+        grad_weight = (
+            acc_w if acc_w is not None else torch.empty((v, h), dtype=dtype, device=device)
+        )
+    acc = None
+    if need_input_grad:
+        acc = grad_input_out
+        acc = torch.empty((bt, h), dtype=accum, device=device) if acc is None else acc
+    grad_bias = acc_b = None
+    if need_bias_grad:
+        acc_b = grad_bias_acc
+        grad_bias = (
+            acc_b if acc_b is not None else torch.empty(v, dtype=bias_grad_dtype, device=device)
+        )
+    # fp32 products that are not written in place: one buffer, used by both products.
+    sizes = [bt * h] if need_input_grad and operand != accum else []
+    sizes += [cv * h] if need_weight_grad and (dtype != accum or operand != accum) else []
+    scratch = torch.empty(max(sizes), dtype=accum, device=device) if sizes else None
+    for v0 in range(0, v, cv):
+        v1 = min(v, v0 + cv)
+        w_op = weight[v0:v1].to(operand) if (need_input_grad or g_reads_operands) else None
+        g = precision.round_to(make_g(v0, v1, x_op, w_op), dtype, operand)
+        if need_bias_grad:  # the rounded G the products see, summed in fp32
+            if acc_b is None or not accumulate:
+                grad_bias[v0:v1] = g.sum(dim=0, dtype=accum)
+            else:
+                acc_b[v0:v1] += g.sum(dim=0, dtype=accum)
+        if need_input_grad:
+            if v0 == 0:
+                precision.mm_fp32(g, w_op, out=acc)
+            else:
+                tmp = None if operand == accum else scratch[: bt * h].view(bt, h)
+                precision.addmm_fp32_(acc, g, w_op, scratch=tmp)
+        if need_weight_grad and acc_w is not None and accumulate:
+            tmp = None if operand == accum else scratch[: (v1 - v0) * h].view(v1 - v0, h)
+            precision.addmm_fp32_(acc_w[v0:v1], g.t(), x_op, scratch=tmp)
+        elif need_weight_grad:
+            rows = grad_weight[v0:v1]
+            if grad_weight.dtype == accum:
+                precision.mm_fp32(g.t(), x_op, out=rows)
+            else:
+                tmp = scratch[: (v1 - v0) * h].view(v1 - v0, h)
+                rows.copy_(precision.mm_fp32(g.t(), x_op, out=tmp))
+        del g  # free this chunk before the next one is allocated
+    grad_input = None
+    if need_input_grad:
+        grad_input = acc if grad_input_out is not None else acc.to(gi_dtype)
+    return Grads(grad_input, grad_weight, grad_bias)
+
+
+def _no_products(x, weight, out: Outputs, gi_dtype, bias_grad_dtype) -> Grads:
+    """The gradients when there is nothing to multiply (no rows, columns or hidden size):
+    zeros, in the caller's buffers where it gave them (a written ``grad_input``, fresh
+    accumulators; accumulators being added to stay as they are)."""
+    bt, h = x.shape
+    v = weight.shape[0]
+
+    def zeros(buf, add, shape, dt):
+        if buf is None:
+            return torch.zeros(shape, dtype=dt, device=x.device)
+        return buf if add else buf.zero_()
+
+    add = out.accumulate
+    gi = zeros(out.grad_input_out, False, (bt, h), gi_dtype) if out.need_input else None
+    gw = zeros(out.grad_weight_acc, add, (v, h), x.dtype) if out.need_weight else None
+    gb = zeros(out.grad_bias_acc, add, v, bias_grad_dtype) if out.need_bias else None
+    return Grads(gi, gw, gb)

@@ -1,0 +1,194 @@
+"""The loss's options as one value: :class:`LossOptions`, built and validated once.
+
+Every public entry (the loss function, its module, the LM head, the integrations) turns
+its keyword options into one frozen :class:`LossOptions`; everything below the entry (the
+autograd Functions, the backends) reads that value and nothing else, so an option is added
+in one place (``docs/design.md``, "One options value"). Scalars are validated when the
+value is made (``__post_init__``); the tensor options (``bias``, ``class_weight``, a
+per-token ``temperature``) are validated against the call's tensors by the loss entry.
+
+Every error is a ``TypeError`` or ``ValueError`` whose message starts with the parameter's
+name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MODES = ("auto", "grad_in_forward", "memory_saving", "high_performance")
+REDUCTIONS = ("none", "sum", "mean")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+def _number(name: str, value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__}")
+    return float(value)
+
+
+def check_label_smoothing(label_smoothing: object) -> float:
+    eps = _number("label_smoothing", label_smoothing, "a float")
+    if not (0.0 <= eps < 1.0):
+        raise ValueError(f"label_smoothing: expected 0 <= label_smoothing < 1, got {eps}")
+    return eps
+
+
+def check_softcap(softcap: object) -> float | None:
+    """``softcap``: None, or a finite number > 0 (the ``c`` of ``c * tanh(z / c)``)."""
+    if softcap is None:
+        return None
+    c = _number("softcap", softcap, "None or a float > 0")
+    if not (0.0 < c < math.inf):
+        raise ValueError(f"softcap: expected None or a finite float > 0, got {c}")
+    return c
+
+
+def check_z_loss(z_loss: object) -> float:
+    """``z_loss``: a finite number >= 0 (the coefficient of ``lse^2``)."""
+    w = _number("z_loss", z_loss, "a float >= 0")
+    if not (0.0 <= w < math.inf):
+        raise ValueError(f"z_loss: expected a finite float >= 0, got {w}")
+    return w
+
+
+def check_temperature(temperature: object) -> float | torch.Tensor:
+    """``temperature``: a finite float > 0, or a floating tensor (one per token; its values
+    are checked by the loss entry, which knows the device)."""
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point():
+            raise TypeError(
+                f"temperature: expected a floating-point tensor, got {temperature.dtype}"
+            )
+        return temperature
+    t = _number("temperature", temperature, "a float > 0 or a tensor shaped like target")
+    if not (0.0 < t < math.inf):
+        raise ValueError(f"temperature: expected a finite float > 0, got {t}")
+    return t
+
+
+def check_backend_name(backend: object) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def _optional_int(name: str, value: object, least: int) -> int | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or value < least
+    ):
+        raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
+    return value
+
+
+def _optional_tensor(name: str, value: object) -> torch.Tensor | None:
+    if value is not None and not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected None or a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True, eq=False)
+class LossOptions:
+    """Every option of the vocabulary-parallel loss, validated (``docs/design.md``).
+
+    Math: ``ignore_index``, ``reduction``, ``label_smoothing``, ``softcap``, ``z_loss``,
+    ``temperature`` (a float, or a tensor shaped like the target: one per token),
+    ``class_weight`` (this rank's ``[V_local]`` rows, sharded like the weight), ``bias``
+    (this rank's ``[V_local]`` rows). Outputs and execution: ``return_lse``, ``mode``,
+    ``backend``, ``check_inputs``, ``sequence_parallel``. Layout: ``vocab_start_index``,
+    ``global_vocab_size``.
+
+    ``eq=False``: options holding tensors compare by identity, never element-wise.
+    """
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    softcap: float | None = None
+    z_loss: float = 0.0
+    temperature: float | torch.Tensor = 1.0
+    class_weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    return_lse: bool = False
+    mode: str = "auto"
+    backend: str = "auto"
+    check_inputs: bool = True
+    sequence_parallel: bool = False
+    vocab_start_index: int | None = None
+    global_vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        ignore = self.ignore_index
+        if isinstance(ignore, bool) or not isinstance(ignore, int):
+            raise TypeError(f"ignore_index: expected an int, got {type(ignore).__name__}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {self.reduction!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        check_backend_name(self.backend)
+        for name in ("return_lse", "check_inputs", "sequence_parallel"):
+            check_flag(name, getattr(self, name))
+        _optional_int("vocab_start_index", self.vocab_start_index, 0)
+        _optional_int("global_vocab_size", self.global_vocab_size, 1)
+        _optional_tensor("class_weight", self.class_weight)
+        _optional_tensor("bias", self.bias)
+        # Normalised values (an int softcap becomes a float, and so on).
+        set_ = object.__setattr__
+        set_(self, "label_smoothing", check_label_smoothing(self.label_smoothing))
+        set_(self, "softcap", check_softcap(self.softcap))
+        set_(self, "z_loss", check_z_loss(self.z_loss))
+        set_(self, "temperature", check_temperature(self.temperature))
+
+    def replace(self, **changes: Any) -> LossOptions:
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the logits are divided by a temperature other than the float 1."""
+        return isinstance(self.temperature, torch.Tensor) or self.temperature != 1.0
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
+# Options that a head sets itself from its shard.
+LAYOUT_OPTIONS = frozenset({"vocab_start_index", "global_vocab_size"})
+
+
+def loss_options(**options: Any) -> LossOptions:
+    """:class:`LossOptions` from keyword options, an unknown name a ``TypeError`` naming it
+    and listing the options (the module, the head and the integrations build theirs here)."""
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(
+            f"{unknown[0]}: not an option of vocab_parallel_linear_cross_entropy "
+            f"(its options: {', '.join(OPTION_NAMES)})"
+        )
+    return LossOptions(**options)
+
+
+def shown_options(opts: LossOptions, skip: frozenset[str] = frozenset()) -> str:
+    """``name=value`` of the options that differ from the defaults (tensors by shape), for
+    ``extra_repr``."""
+    default = LossOptions()
+    parts = []
+    for name in OPTION_NAMES:
+        value = getattr(opts, name)
+        if name in skip or (
+            not isinstance(value, torch.Tensor) and value == getattr(default, name)
+        ):
+            continue
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{name}=Tensor{list(value.shape)}")
+        elif value is not None:
+            parts.append(f"{name}={value!r}")
+    return ", ".join(parts)

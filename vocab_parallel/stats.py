@@ -1,0 +1,173 @@
+"""The loss's math across ranks: per-token statistics, their all-reduces, the loss, G's terms.
+
+Per rank, per token i (``docs/design.md``, "The forward statistics"), with this rank's
+rows ``[start, start + V)``, temperature ``T_i`` and class weights ``w_j`` (1 without):
+
+    logits        z_ij = cap(x_i @ W_j + b_j) / T_i
+    local stats   m_i = max_j z_ij,  s_i = sum_j exp(z_ij - m_i),  p_i = z_i[t_i] (if here),
+                  a_i = sum_j w_j z_ij (label smoothing only),  u_i = w[t_i] (if here)
+    M_i           = allreduce_MAX(m_i)
+    S, P, A, U, W = allreduce_SUM(s_i exp(m_i - M_i), p_i, a_i, u_i; sum_j w_j)  (one call)
+    lse_i         = log(S_i) + M_i
+    loss_i        = lse_i - (1 - eps) P_i - eps A_i / Vg + zl lse_i^2          (no weights)
+    loss_i        = (1 - eps) U_i (lse_i - P_i) + eps / Vg (W lse_i - A_i) + zl lse_i^2
+
+(0 for ignored tokens), which is ``F.cross_entropy(z, t, weight=w, label_smoothing=eps,
+reduction="none") + zl * lse^2``. ``U_i`` (the target's class weight, 1 without) is what a
+weighted mean divides by (``vocab_parallel.reduction``). The gradient of ``loss_i`` with
+respect to ``z_ij`` is, per unit upstream gradient,
+
+    p_ij ((1 - eps) U_i + eps W / Vg + 2 zl lse_i) - (1 - eps) U_i [j == t_i] - eps/Vg w_j
+
+(without weights the factor of ``p`` is ``1 + 2 zl lse_i``): the :class:`GradTerms` of
+``vocab_parallel.backend``, whose backends add the chain rule through the temperature and
+the softcap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from vocab_parallel.backend import GradTerms, LocalStats, Logits
+from vocab_parallel.distributed import all_reduce
+from vocab_parallel.layout import ShardLayout
+from vocab_parallel.options import LossOptions
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """One resolved call of the loss: what the autograd Functions need besides tensors that
+    take a gradient. ``opts``: the validated options (its tensors already this call's);
+    ``class_weight``: fp32 ``[V_local]`` or None; ``inv_temperature``: fp32 ``[BT]`` (all
+    tokens of the call, gathered under sequence parallelism) or None for 1."""
+
+    opts: LossOptions
+    process_group: dist.ProcessGroup | None
+    layout: ShardLayout
+    backend: str
+    mode: str
+    track: bool = False  # whether a backward can follow (grad mode, an input requiring grad)
+    class_weight: torch.Tensor | None = None
+    inv_temperature: torch.Tensor | None = None
+
+    def logits(self, bias: torch.Tensor | None) -> Logits:
+        """How the backends make this call's logits (``bias``: the cast one)."""
+        return Logits(bias, self.opts.softcap, self.inv_temperature)
+
+
+@dataclass(frozen=True, eq=False)
+class TokenStats:
+    """Per-token results of the all-reduces (``[BT]``, fp32; float64 for float64 inputs),
+    ignored tokens not yet masked. ``target_weight``: ``U`` (None without class weights);
+    ``weight_sum``: ``W``, a 0-d tensor (None without class weights)."""
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    logits_max: torch.Tensor
+    sum_exp: torch.Tensor
+    target_weight: torch.Tensor | None = None
+    weight_sum: torch.Tensor | None = None
+
+
+def local_targets(
+    target: torch.Tensor, layout: ShardLayout, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(local_target, ignored)``: each token's column in this rank's shard (int64, -1
+    where its target is elsewhere or ignored) and whether it is ignored."""
+    ignored = target == ignore_index
+    local = target - layout.start
+    here = (local >= 0) & (local < layout.size) & ~ignored
+    return torch.where(here, local, -1), ignored
+
+
+def forward_stats(call: Call, hidden, weight, bias, local_target, logits_out=None) -> LocalStats:
+    """This rank's :class:`LocalStats` of ``hidden`` (the backend of ``call``)."""
+    from vocab_parallel.backend import get_backend
+
+    return get_backend(call.backend).forward_stats(
+        hidden,
+        weight,
+        local_target,
+        call.logits(bias),
+        logits_out=logits_out,
+        logit_sum=call.opts.label_smoothing > 0,
+        class_weight=call.class_weight,
+    )
+
+
+def reduce_statistics(stats: LocalStats, local_target: torch.Tensor, call: Call) -> TokenStats:
+    """:class:`TokenStats` from this rank's statistics: the MAX and the SUM all-reduce of
+    the group and the loss formula of the module docstring. ``local_target`` (of these
+    rows) picks the target's class weight where it is here."""
+    opts, cw = call.opts, call.class_weight
+    eps, vg = opts.label_smoothing, call.layout.global_size
+    m, s, p, a = stats
+    group = call.process_group
+    logits_max = all_reduce(m.clone(), "MAX", group, "logits_max")
+    shift = torch.where(logits_max == float("-inf"), 0.0, logits_max)  # a row of -inf only
+    rows = [s * torch.exp(m - shift), p, a]
+    if cw is not None:
+        here = local_target >= 0
+        picked = cw.to(s.dtype)[local_target.clamp(min=0)]
+        rows.append(torch.where(here, picked, 0.0))
+    sums = torch.stack(rows)
+    if cw is not None:  # the global sum of the class weights rides along: one more column
+        total = cw.to(s.dtype).sum().expand(sums.shape[0], 1)
+        sums = torch.cat([sums, total], dim=1)
+    all_reduce(sums, "SUM", group, "sum_exp_logits and predicted logits")
+    weight_sum = None
+    if cw is not None:
+        weight_sum, sums = sums[0, -1], sums[:, :-1]
+    sum_exp, predicted, logit_sum = sums[0], sums[1], sums[2]
+    lse = torch.log(sum_exp) + logits_max
+    target_weight = sums[3] if cw is not None else None
+    if cw is None:
+        loss = lse - (1.0 - eps) * predicted
+        if eps:
+            loss = loss - eps * logit_sum / vg
+    else:
+        loss = (1.0 - eps) * target_weight * (lse - predicted)
+        if eps:
+            loss = loss + (eps / vg) * (weight_sum * lse - logit_sum)
+    if opts.z_loss:
+        loss = loss + opts.z_loss * lse.square()
+    return TokenStats(loss, lse, logits_max, sum_exp, target_weight, weight_sum)
+
+
+def grad_terms(call: Call, lse: torch.Tensor, target_weight, weight_sum):
+    """``(prob_scale, on_target, smooth)`` of ``G`` for these tokens per unit upstream
+    gradient (module docstring); None / floats where a term is the same for all."""
+    opts = call.opts
+    eps, vg = opts.label_smoothing, call.layout.global_size
+    prob_scale = None
+    if target_weight is None:
+        on_target = 1.0 - eps
+        if opts.z_loss:
+            prob_scale = 1.0 + (2.0 * opts.z_loss) * lse
+    else:
+        on_target = (1.0 - eps) * target_weight
+        prob_scale = on_target + eps * weight_sum / vg
+        if opts.z_loss:
+            prob_scale = prob_scale + (2.0 * opts.z_loss) * lse
+    return prob_scale, on_target, eps / vg
+
+
+def gradient_terms(call: Call, grad, token: TokenStats, **source) -> GradTerms:
+    """:class:`GradTerms` of these tokens: the upstream ``grad`` (``[BT]`` or ``[1]``),
+    ``token``'s statistics, and ``source`` (``softmax=``, ``logits=``, ``reuse_logits=``)."""
+    prob_scale, on_target, smooth = grad_terms(
+        call, token.lse, token.target_weight, token.weight_sum
+    )
+    return GradTerms(
+        grad=grad,
+        on_target=on_target,
+        smooth=smooth,
+        prob_scale=prob_scale,
+        class_weight=call.class_weight if smooth else None,
+        logits_max=token.logits_max,
+        sum_exp=token.sum_exp,
+        **source,
+    )

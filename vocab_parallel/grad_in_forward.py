@@ -17,8 +17,8 @@ and for each chunk (the math of ``vocab_parallel.autograd``, per token):
     grad_weight += G_c.T @ x_c                      GEMM 3, fp32 accumulator
 
 and waits for the ``grad_input`` all-reduces at the end. Three GEMMs and no recompute
-(memory-saving mode does four). Extra memory: the ``[R, V_local]`` chunk (fp32; half on a
-CPU with half GEMMs, where G overwrites it), the backend's ``G`` buffer where it has its
+(memory-saving mode does four). Extra memory: the ``[R, V_local]`` fp32 chunk (G
+overwrites it), the backend's ``G`` buffer where it has its
 own (Triton: in the input dtype; torch with half operands: a half copy per vocabulary
 chunk), and for half inputs fp32 ``grad_weight``/``grad_input`` accumulators until the
 backward. The backward multiplies the saved gradients by ``g`` in place (exact for the
@@ -147,13 +147,8 @@ class GradInForwardLinearCE(torch.autograd.Function):
         logits_max, sum_exp = torch.empty(bt, **f), torch.empty(bt, **f)
 
         rows = chunk_rows(bt, layout.global_size, world, device.type)
-        # The torch backend keeps the chunk in the GEMM's own output dtype (half on a CPU
-        # with half GEMMs: nothing is lost, half the bytes) and forms G in place; not
-        # with a softcap or a bias, which are applied in fp32.
-        chunk_dtype = accum
-        if backend == "torch" and opts.softcap is None and bias is None:
-            chunk_dtype = precision.product_dtype(hidden.dtype, device.type)
-        chunk = torch.empty((min(rows, bt), v), dtype=chunk_dtype, device=device)
+        # The logits chunk is fp32 (the GEMM's exact output; float64 for float64 inputs).
+        chunk = torch.empty((min(rows, bt), v), dtype=accum, device=device)
         forward_stats = backend_forward_stats(backend)
         waits = []  # the grad_input all-reduces in flight
         for r0 in range(0, bt, rows):

@@ -178,42 +178,6 @@ def cap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits.div_(softcap).tanh_().mul_(softcap)
 
 
-# Elements per block of the half-precision G (_half_g_in_place): an fp32 block of 1 MiB
-# stays in the core's cache between its elementwise steps.
-HALF_G_BLOCK = 256 * 1024
-
-
-def _half_g_in_place(
-    z: torch.Tensor,
-    v0: int,
-    lse: torch.Tensor,
-    factor: torch.Tensor,
-    smooth: torch.Tensor | None,
-    hot: torch.Tensor,
-    local_target: torch.Tensor,
-) -> torch.Tensor:
-    """``G`` of the columns ``[v0, v0 + z.shape[1])`` written over their half logits ``z``
-    (no softcap): per block of whole rows, in fp32, ``exp(z - lse) * factor - smooth``,
-    the one-hot subtracted, one rounding to half. The same values as the fp32 path, with
-    only the half chunk in memory and its bytes read and written once."""
-    bt, n = z.shape
-    accum = lse.dtype
-    step = max(1, HALF_G_BLOCK // max(1, n))
-    col = local_target - v0
-    hit = (col >= 0) & (col < n)
-    per_row = factor.expand(bt, 1)
-    for r0 in range(0, bt, step):
-        r1 = min(bt, r0 + step)
-        t = z[r0:r1].to(accum).sub_(lse[r0:r1]).exp_().mul_(per_row[r0:r1])
-        if smooth is not None:
-            t.sub_(smooth.expand(bt, 1)[r0:r1])
-        rows = hit[r0:r1].nonzero().squeeze(1)
-        if rows.numel():
-            t[rows, col[r0:r1][rows]] -= hot[r0:r1][rows]
-        z[r0:r1] = t
-    return z
-
-
 def linear_logits(
     x_op: torch.Tensor,
     w_op: torch.Tensor,
@@ -278,16 +242,12 @@ def fused_backward(
     hot = ((local_target >= 0).to(accum) * on_target)[:, None].mul(scale).reshape(-1)
     lse = None if softmax is not None else (logits_max + torch.log(sum_exp_logits))[:, None]
     rows = torch.arange(bt, device=x.device)
-    target = local_target
 
     def make_g(v0: int, v1: int, x_op: torch.Tensor, w_op: torch.Tensor | None):
         tanh = None  # tanh(r / softcap) of the chunk, for the cap's derivative
         if softmax is not None:
             g = softmax[:, v0:v1].to(accum, copy=True)
         else:
-            if logits is not None and logits.dtype != accum and reuse_logits:
-                smooth_rows = smooth if smooth_all != 0.0 else None
-                return _half_g_in_place(logits[:, v0:v1], v0, lse, factor, smooth_rows, hot, target)
             if logits is not None:  # saved capped logits z = softcap * tanh
                 g = logits[:, v0:v1]
                 g = g if reuse_logits and g.dtype == accum else g.to(accum, copy=True)
@@ -319,21 +279,22 @@ def fused_backward(
     in_place = reuse_logits and logits is not None and logits.dtype == accum
     if in_place and softcap is None and fp32_products:
         cv = v  # G overwrites the logits and no product needs a scratch: one chunk
-    return gradient_products(
-        x,
-        weight,
-        cv,
-        make_g,
-        g_reads_operands=recompute,
-        need_input_grad=need_input_grad,
-        need_weight_grad=need_weight_grad,
-        grad_input_dtype=grad_input_dtype,
-        bias_grad_dtype=bias_dtype,
-        grad_input_out=grad_input_out,
-        grad_weight_acc=grad_weight_acc,
-        grad_bias_acc=grad_bias_acc,
-        accumulate=accumulate,
-    )
+    with precision.cpu_bf16_math(x.dtype, x.device.type):  # bf16 values: exact products
+        return gradient_products(
+            x,
+            weight,
+            cv,
+            make_g,
+            g_reads_operands=recompute,
+            need_input_grad=need_input_grad,
+            need_weight_grad=need_weight_grad,
+            grad_input_dtype=grad_input_dtype,
+            bias_grad_dtype=bias_dtype,
+            grad_input_out=grad_input_out,
+            grad_weight_acc=grad_weight_acc,
+            grad_bias_acc=grad_bias_acc,
+            accumulate=accumulate,
+        )
 
 
 # Columns per block of exp(z - max) when the logits must be kept (see _sum_exp).
@@ -370,9 +331,8 @@ def forward_stats(
 
     One online pass over vocabulary chunks (same contract as the Triton launcher
     ``vocab_parallel.kernels.forward.forward_stats``): ``local_target`` is int64, -1 where
-    the target is not on this shard; ``logits_out`` (``[BT, V]``, the statistics' dtype,
-    or without softcap ``precision.product_dtype``: half on a CPU with half GEMMs) receives
-    ``z`` when given, and then the chunk products are written straight into it.
+    the target is not on this shard; ``logits_out`` (``[BT, V]``, the statistics' dtype)
+    receives ``z`` when given, and then the chunk products are written straight into it.
     ``with_logit_sum=False`` skips the logit sum (only label smoothing needs it): zeros.
     """
     bt = x.shape[0]
@@ -393,7 +353,9 @@ def forward_stats(
         w_op = weight[v0:v1].to(operand)
         out = None if logits_out is None else logits_out[:, v0:v1]
         b = None if bias is None else bias[v0:v1]
-        logits = cap_(linear_logits(x_op, w_op, b, out=out), softcap)
+        with precision.cpu_bf16_math(x.dtype, x.device.type):  # bf16 values: exact
+            raw = linear_logits(x_op, w_op, b, out=out)
+        logits = cap_(raw, softcap)
         in_chunk = here & (local_target >= v0) & (local_target < v1)
         cols = (local_target - v0).clamp(0, v1 - v0 - 1)
         picked = logits.gather(1, cols[:, None]).squeeze(1).to(pred.dtype)

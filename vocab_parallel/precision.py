@@ -67,14 +67,15 @@ _CHOICES = {
     "0": False, "false": False, "no": False, "off": False,
     "1": True, "true": True, "yes": True, "on": True,
 }  # fmt: skip
-# Set by set_cpu_half_gemms ("unset": decide from the environment and the CPU).
-_OVERRIDE: bool | None | str = "unset"
+# Set by set_cpu_half_gemms (None: decide from the environment and the CPU).
+_OVERRIDE: bool | None = None
 
 
 def set_cpu_half_gemms(enabled: bool | None) -> None:
     """Whether fp32 GEMMs of bf16 inputs on CPUs ask oneDNN for bf16 math: ``True``
-    always, ``False`` never (IEEE fp32 GEMMs), ``None`` where oneDNN honours it (the
-    default). Overrides ``VOCAB_PARALLEL_CPU_HALF_GEMMS``. Every choice is exact."""
+    always, ``False`` never (IEEE fp32 GEMMs), overriding ``VOCAB_PARALLEL_CPU_HALF_GEMMS``;
+    ``None``: back to the environment's choice (unset: where oneDNN honours it). Every
+    choice is exact."""
     global _OVERRIDE
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected a bool or None, got {type(enabled).__name__}")
@@ -155,12 +156,12 @@ def bf16_math_honoured() -> bool:
 
 def _use_bf16_math(dtype: torch.dtype, device_type: str) -> bool:
     """The choice for the products of inputs of ``dtype`` on ``device_type``."""
-    if dtype != torch.bfloat16 or device_type != "cpu" or not bf16_math_available():
+    if dtype != torch.bfloat16 or device_type != "cpu":
         return False
-    choice = _env_choice() if _OVERRIDE == "unset" else _OVERRIDE
-    if choice is None:
-        return bf16_math_honoured()
-    return choice
+    choice = _env_choice() if _OVERRIDE is None else _OVERRIDE  # (an unknown value raises)
+    if not bf16_math_available():
+        return False
+    return bf16_math_honoured() if choice is None else choice
 
 
 # The mkldnn matmul setting is process-wide: the first thread in sets it, the last one out

@@ -1,8 +1,8 @@
 """pytest set-up for the tests: Triton's interpreter without CUDA, and the shared fixtures.
 
 Without a GPU the Triton kernels run under Triton's interpreter, which must be switched
-on before ``triton`` is imported anywhere: that is done here, first thing (and the CPU
-half-GEMM policy is pinned, see below). The helpers
+on before ``triton`` is imported anywhere: that is done here, first thing. Nothing else
+is pinned: the suite runs the precision defaults users get on this machine. The helpers
 the tests import live in ``helpers.py``; nothing imports this module.
 """
 
@@ -14,10 +14,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Half-precision inputs on CPUs: the exact fp32 upcast unless asked otherwise, whatever
-# the CPU (the ranks the tests spawn inherit it). tests/test_cpu_half_gemms.py forces
-# the native half GEMMs on; VOCAB_PARALLEL_CPU_HALF_GEMMS=1 runs the whole suite that way.
-os.environ.setdefault("VOCAB_PARALLEL_CPU_HALF_GEMMS", "0")
 
 import pytest  # noqa: E402
 from helpers import BACKENDS, HAS_TRITON, MODES  # noqa: E402

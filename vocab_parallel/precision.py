@@ -1,33 +1,42 @@
 """The precision policy of every matrix product in the library (docs/design.md, "Precision").
 
-On every device: logits and both gradient products accumulate in fp32, and ``G`` is
-rounded to the input dtype once, before the gradient products. How a device gets there
-is decided in one place, :func:`operand_dtype`:
+On every device, by default: logits and both gradient products accumulate in fp32 and
+come out in fp32 (nothing is rounded to half on the way), and ``G`` is rounded to the
+input dtype once, before the gradient products. How a device gets there is decided here,
+:func:`operand_dtype` and :func:`cpu_bf16_math`:
 
 - fp32 inputs: plain fp32 GEMMs.
 - half inputs on CUDA: the operands stay in the input dtype and cuBLAS writes fp32
   (``torch.mm(a, b, out_dtype=torch.float32)``): tensor cores, fp32 accumulation, no
   rounding of the result to half (and no reduced-precision split-K reduction).
-- half inputs on a CPU with matrix units for that dtype (AVX512-BF16 or AMX for bf16;
-  AVX512-FP16 or AMX-FP16 for fp16, as ``torch.cpu`` and oneDNN report them; decided once
-  per process, never by timing, :func:`cpu_half_gemms`): the operands stay in the input
-  dtype, oneDNN accumulates in fp32 and rounds each product to the input dtype (torch has
-  no CPU GEMM with fp32 output). bf16 GEMMs run 2-3x faster than fp32 there; the logits
-  are then rounded to bf16 as ``F.linear`` rounds them, so the loss is within bf16
-  tolerance of float64 rather than fp32 tolerance. ``VOCAB_PARALLEL_CPU_HALF_GEMMS=0``
-  (or :func:`set_cpu_half_gemms`) keeps the exact fp32 upcast below.
-- half inputs on other CPUs: the operands are upcast to fp32, one chunk at a time. Half
-  GEMMs there are hundreds of times slower, and products of half values are exact in
-  fp32, so the result is that of an fp32-output GEMM.
+- half inputs on CPUs: the operands are upcast to fp32, one chunk at a time, and the
+  GEMMs are fp32 GEMMs. Products of half values are exact in fp32, so the result is that
+  of a half GEMM with fp32 output, which torch does not have on CPUs (its half GEMMs
+  round every product to half: a loss off by ~1e-4 and, with large logits, gradients
+  off by 20%, which is why the library does not use them).
+- bf16 inputs on a CPU where oneDNN runs fp32 GEMMs on bf16 units (AMX): those fp32
+  GEMMs are run with oneDNN's bf16 math mode (``torch.backends.mkldnn.matmul
+  .fp32_precision = "bf16"``, torch >= 2.9), scoped to the library's own products by
+  :func:`cpu_bf16_math`. It converts the fp32 operands to bf16 and accumulates in fp32
+  with fp32 output: for operands that hold bf16 values (bf16 inputs, the bf16-rounded
+  ``G``) the conversion is exact, so the result is still the exact fp32 product, at the
+  bf16 units' rate. Never for fp16 or fp32 inputs, whose values bf16 cannot hold.
 - float64 inputs (the torch backend only; for checks such as ``gradcheck``): everything
   is float64 instead of fp32, :func:`accumulate_dtype`: products, statistics, ``G`` and
   the loss.
+
+``VOCAB_PARALLEL_CPU_HALF_GEMMS`` (or :func:`set_cpu_half_gemms`) chooses the bf16 math
+mode: ``auto`` (unset: where oneDNN honours it), ``0`` (never: IEEE fp32 GEMMs), ``1``
+(always for bf16 inputs on CPUs; oneDNN falls back to fp32 math where it has no bf16
+kernel). Every choice is exact; none rounds products to half.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 
@@ -45,45 +54,46 @@ def operand_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
     ``dtype`` on a device of type ``device_type`` ("cuda", "cpu", ...): the policy."""
     if dtype in _HALF and device_type == "cuda":
         return dtype  # cuBLAS: half operands, fp32 accumulation and output
-    if dtype in _HALF and device_type == "cpu" and cpu_half_gemms(dtype):
-        return dtype  # oneDNN on bf16/fp16 matrix units: fp32 accumulation, half output
-    return accumulate_dtype(dtype)
+    return accumulate_dtype(dtype)  # elsewhere the exact upcast: fp32 GEMMs
 
 
-# Set by set_cpu_half_gemms (None: decide from the environment and the CPU).
-_CPU_HALF_OVERRIDE: bool | None = None
+# ---------------------------------------------------------------------------------------
+# fp32 GEMMs on a CPU's bf16 units, for operands that hold bf16 values
+# ---------------------------------------------------------------------------------------
+
 CPU_HALF_ENV = "VOCAB_PARALLEL_CPU_HALF_GEMMS"
+_CHOICES = {
+    "": None, "auto": None,
+    "0": False, "false": False, "no": False, "off": False,
+    "1": True, "true": True, "yes": True, "on": True,
+}  # fmt: skip
+# Set by set_cpu_half_gemms (None: decide from the environment and the CPU).
+_OVERRIDE: bool | None = None
 
 
 def set_cpu_half_gemms(enabled: bool | None) -> None:
-    """Force half-precision CPU GEMMs on (``True``: also on CPUs without matrix units,
-    where they are very slow; for tests), off (``False``: the exact fp32 upcast), or
-    back to the CPU's own answer (``None``)."""
-    global _CPU_HALF_OVERRIDE
+    """Whether fp32 GEMMs of bf16 inputs on CPUs ask oneDNN for bf16 math: ``True``
+    always, ``False`` never (IEEE fp32 GEMMs), overriding ``VOCAB_PARALLEL_CPU_HALF_GEMMS``;
+    ``None``: back to the environment's choice (unset: where oneDNN honours it). Every
+    choice is exact."""
+    global _OVERRIDE
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected a bool or None, got {type(enabled).__name__}")
-    _CPU_HALF_OVERRIDE = enabled
-
-
-def cpu_half_gemms(dtype: torch.dtype) -> bool:
-    """Whether products of ``dtype`` (bf16/fp16) operands run natively on this CPU: the
-    override, else ``VOCAB_PARALLEL_CPU_HALF_GEMMS`` ("0"/"1", read once per process),
-    else what the CPU has. Called for every product: nothing here is recomputed."""
-    if _CPU_HALF_OVERRIDE is not None:
-        return _CPU_HALF_OVERRIDE
-    forced = _env_choice()
-    return cpu_has_half_units(dtype) if forced is None else forced
+    _OVERRIDE = enabled
 
 
 @functools.cache
 def _env_choice() -> bool | None:
-    """``VOCAB_PARALLEL_CPU_HALF_GEMMS`` as read once per process (None: unset)."""
-    env = os.environ.get(CPU_HALF_ENV, "").strip().lower()
-    if env in ("0", "false", "no", "off"):
-        return False
-    if env in ("1", "true", "yes", "on"):
-        return True
-    return None
+    """``VOCAB_PARALLEL_CPU_HALF_GEMMS`` as read once per process (None: unset or auto);
+    a value it does not know is an error, not a silent default."""
+    raw = os.environ.get(CPU_HALF_ENV, "")
+    try:
+        return _CHOICES[raw.strip().lower()]
+    except KeyError:
+        raise ValueError(
+            f"{CPU_HALF_ENV}: expected auto, 0 or 1 (fp32 GEMMs of bf16 inputs on bf16 "
+            f"units where oneDNN has them, never, always; all exact), got {raw!r}"
+        ) from None
 
 
 @functools.cache
@@ -102,9 +112,100 @@ def cpu_has_half_units(dtype: torch.dtype) -> bool:
             onednn = mkldnn._is_mkldnn_bf16_supported()
         else:
             onednn = mkldnn._is_mkldnn_fp16_supported()
-    except (AttributeError, RuntimeError):  # an older torch: keep the exact upcast
+    except (AttributeError, RuntimeError):  # an older torch: no half units known
         return False
     return bool(has_units and onednn)
+
+
+def _get_math() -> str:
+    return torch._C._get_fp32_precision_getter("mkldnn", "matmul")
+
+
+def _set_math(value: str) -> None:
+    torch._C._set_fp32_precision_setter("mkldnn", "matmul", value)
+
+
+@functools.cache
+def bf16_math_available() -> bool:
+    """Whether this torch can ask oneDNN for bf16 math in fp32 GEMMs, per operator
+    (``torch.backends.mkldnn.matmul.fp32_precision``, torch >= 2.9) and the CPU has bf16
+    units (:func:`cpu_has_half_units`). Older torch: IEEE fp32 GEMMs, as exact."""
+    if not cpu_has_half_units(torch.bfloat16):
+        return False
+    try:
+        _get_math()
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return True
+
+
+@functools.cache
+def bf16_math_honoured() -> bool:
+    """Whether oneDNN really converts fp32 operands to bf16 in this CPU's fp32 GEMMs when
+    asked (it does on AMX; on AVX512-BF16 alone it keeps its fp32 kernel), probed once per
+    process on values bf16 cannot hold: ``1 + 2^-10`` summed 64 times is 64.0625 in fp32
+    and 64 in bf16 math. A behaviour, not a timing."""
+    if not bf16_math_available():
+        return False
+    a = torch.full((16, 64), 1.0 + 2.0**-10)  # 16 * 64 * 16 > oneDNN's minimum size
+    b = torch.ones(64, 16)
+    with _scoped_bf16_math():
+        out = torch.mm(a, b)
+    return bool((out == 64.0).all())
+
+
+def _use_bf16_math(dtype: torch.dtype, device_type: str) -> bool:
+    """The choice for the products of inputs of ``dtype`` on ``device_type``."""
+    if dtype != torch.bfloat16 or device_type != "cpu":
+        return False
+    choice = _env_choice() if _OVERRIDE is None else _OVERRIDE  # (an unknown value raises)
+    if not bf16_math_available():
+        return False
+    return bf16_math_honoured() if choice is None else choice
+
+
+# The mkldnn matmul setting is process-wide: the first thread in sets it, the last one out
+# restores the user's value, so that overlapping scopes never leave "bf16" behind.
+_LOCK = threading.Lock()
+_DEPTH = 0
+_SAVED = "none"
+
+
+@contextlib.contextmanager
+def _scoped_bf16_math():
+    global _DEPTH, _SAVED
+    with _LOCK:
+        if _DEPTH == 0:
+            _SAVED = _get_math()
+            _set_math("bf16")
+        _DEPTH += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _DEPTH -= 1
+            if _DEPTH == 0:
+                _set_math(_SAVED)
+
+
+def cpu_bf16_math(dtype: torch.dtype, device_type: str) -> contextlib.AbstractContextManager:
+    """A context for the products of inputs of ``dtype`` on ``device_type``: with bf16
+    inputs on a CPU whose fp32 GEMMs can run on bf16 units (:func:`_use_bf16_math`),
+    oneDNN's bf16 math for fp32 GEMMs while it is open, the user's own setting restored
+    when the last such context closes; else nothing. The operands must hold bf16 values
+    (bf16 inputs upcast, ``G`` rounded to bf16): then the products are exact in fp32.
+
+    The setting is process-wide while open: another thread's fp32 GEMMs get bf16 math
+    too in that time. Not while ``torch.compile`` traces (the setting is not traceable;
+    the IEEE fp32 GEMMs give the same exact products)."""
+    if not _use_bf16_math(dtype, device_type) or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _scoped_bf16_math()
+
+
+# ---------------------------------------------------------------------------------------
+# The products
+# ---------------------------------------------------------------------------------------
 
 
 @functools.cache
@@ -121,34 +222,18 @@ def mm_out_dtype_supported(device_type: str) -> bool:
     return out.dtype == torch.float32
 
 
-def product_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
-    """The dtype a product of inputs of ``dtype`` comes out of the GEMM in: the input
-    dtype on a CPU running half GEMMs natively (oneDNN rounds each product to it), else
-    the accumulation dtype. Logits kept in it lose nothing more."""
-    operand = operand_dtype(dtype, device_type)
-    if operand in _HALF and device_type == "cpu" and not mm_out_dtype_supported(device_type):
-        return operand
-    return accumulate_dtype(dtype)
-
-
 def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` accumulated in fp32 and returned in fp32 (into ``out`` when given).
 
     ``a`` and ``b`` share a dtype, fp32 or half (float64 operands: a float64 product).
-    Half operands go to a GEMM with fp32 output where the device has one; on a CPU with
-    half matrix units to a half GEMM (fp32 accumulation, the product rounded to half);
-    elsewhere they are upcast (exactly) to fp32.
+    Half operands go to a GEMM with fp32 output where the device has one (CUDA), else
+    they are upcast (exactly) to fp32.
     """
     if a.dtype in _HALF:
         if mm_out_dtype_supported(a.device.type):
             if out is None or out.is_contiguous():
                 return torch.mm(a, b, out_dtype=torch.float32, out=out)
             return out.copy_(torch.mm(a, b, out_dtype=torch.float32))
-        if a.device.type == "cpu" and cpu_half_gemms(a.dtype):
-            if out is not None and out.dtype == a.dtype and out.is_contiguous():
-                return torch.mm(a, b, out=out)  # kept in half: product_dtype
-            product = torch.mm(a, b)
-            return product.float() if out is None else out.copy_(product)
         a, b = a.float(), b.float()
     return torch.mm(a, b, out=out)
 
@@ -157,9 +242,7 @@ def addmm_fp32_(
     acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``acc += a @ b`` for an fp32 ``acc``, the product accumulated in fp32 (float64
-    ``acc`` and operands: in float64). On a CPU with half GEMMs the product of half
-    operands is rounded to half once before it is added (oneDNN has no fp32 output):
-    a sum over several calls then carries one half rounding per call.
+    ``acc`` and operands: in float64).
 
     Half operands go through :func:`mm_fp32` into ``scratch`` (an fp32 buffer shaped like
     ``acc``, reused across calls) and are added: torch's in-place addmm needs operands of
@@ -167,8 +250,6 @@ def addmm_fp32_(
     """
     if a.dtype == acc.dtype:
         return acc.addmm_(a, b)
-    if a.device.type == "cpu" and a.dtype in _HALF and cpu_half_gemms(a.dtype):
-        return acc.add_(torch.mm(a, b))  # the half product added in fp32: no fp32 copy of it
     return acc.add_(mm_fp32(a, b, out=scratch))
 
 

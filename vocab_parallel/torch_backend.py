@@ -121,9 +121,10 @@ def fused_backward(
     in_place = terms.reuse_logits and saved is not None and saved.dtype == accum
     if in_place and softcap is None and fp32_products:
         cv = v  # G overwrites the logits and no product needs a scratch: one chunk
-    return gradient_products(
-        x, weight, cv, make_g, out, g_reads_operands=recompute, bias_grad_dtype=bias_dtype
-    )
+    with precision.cpu_bf16_math(x.dtype, x.device.type):  # bf16 values: exact products
+        return gradient_products(
+            x, weight, cv, make_g, out, g_reads_operands=recompute, bias_grad_dtype=bias_dtype
+        )
 
 
 # Columns per block of exp(z - max) when the logits must be kept (see _sum_exp).
@@ -184,7 +185,9 @@ def forward_stats(
         w_op = weight[v0:v1].to(operand)
         out = None if logits_out is None else logits_out[:, v0:v1]
         b = None if logits.bias is None else logits.bias[v0:v1]
-        z = cap_(linear_logits(x_op, w_op, b, out=out), logits.softcap)
+        with precision.cpu_bf16_math(x.dtype, x.device.type):  # bf16 values: exact
+            raw = linear_logits(x_op, w_op, b, out=out)
+        z = cap_(raw, logits.softcap)
         if inv_t is not None:
             z.mul_(inv_t)
         in_chunk = here & (local_target >= v0) & (local_target < v1)

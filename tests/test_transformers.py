@@ -613,6 +613,126 @@ def test_trainer_predict_and_evaluate_get_the_logits(tmp_path):
     close(metrics["eval_loss"], ref.loss.item(), "evaluate: loss")
 
 
+# ----------------------------------------------------------------------------- DTensor
+
+
+def _clip_full_model(params, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ for a model with DTensor (sharded) and plain parameters,
+    which torch's own refuses to mix: the norm of the whole model's gradient."""
+    from vocab_parallel.dtensor import is_dtensor
+
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad.full_tensor() if is_dtensor(p.grad) else p.grad for p in params]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    for p in params:
+        p.grad.mul_(coef)
+    return total
+
+
+def _dtensor_runs(group) -> dict:
+    """On this rank: a Llama whose lm_head is ColwiseParallel (DTensor weight over a 1-D mesh
+    of both ranks), patched as it is, after head_from_colwise, and after head_from_colwise
+    with options for the adapter; trained, then evaluated. And a head whose rows are wrong
+    on rank 1 only."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from vocab_parallel.dtensor import head_from_colwise, is_dtensor
+
+    rank = dist.get_rank(group)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(group),))
+    (ids, labels), _ = micro_batches(STEPS)  # not a training batch
+    out = {}
+    for how, options in (("colwise", {}), ("head", {}), ("head", {"mode": "memory_saving"})):
+        model = make_model("llama", False)
+        model = parallelize_module(model, mesh, {"lm_head": ColwiseParallel()})
+        param = model.lm_head.weight
+        if how == "head":
+            model.lm_head = head_from_colwise(model.lm_head)
+        apply_vocab_parallel_loss(model, **options)
+        head = current_head(model)
+        info = dict(
+            head=type(head).__name__,
+            own=head is model.lm_head,
+            same_param=head.weight is param,
+            rows=(head.vocab_start_index, head.vocab_end_index),
+            mode=head.loss_options["mode"],
+        )
+        run = train_plain(model, range(STEPS), clip=_clip_full_model)
+        state = {
+            name: _np(v.full_tensor() if is_dtensor(v) else v)  # numpy: tensors would be
+            for name, v in model.state_dict().items()  # shared with the exiting rank
+        }
+        model.eval()
+        with torch.no_grad():
+            evaluated = model(ids, labels=labels)
+            logits = _np(model(ids).logits) if how == "head" else None  # no labels
+        key = f"{how}/{','.join(options) or 'as is'}"
+        out[key] = info | run | dict(
+            state=state, eval_loss=evaluated.loss.item(), eval_logits=_np(evaluated.logits),
+            logits=logits,
+        )  # fmt: skip
+
+    class Rows(nn.Module):  # the attributes of DeepSpeed's VocabParallelLinear
+        def __init__(self):
+            super().__init__()
+            self.vocab_size, self.mp_group, self.bias = V, group, None
+            self.vocab_start_index, self.vocab_end_index = [(0, 129), (129, V)][rank]
+            rows = self.vocab_end_index - self.vocab_start_index + rank  # wrong on rank 1
+            self.weight = nn.Parameter(torch.zeros(rows, H))
+
+    model = make_model("llama", False)
+    model.lm_head = Rows()
+    try:
+        apply_vocab_parallel_loss(model)
+        out["refused"] = "no error"
+    except (TypeError, ValueError) as exc:
+        out["refused"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.slow
+def test_dtensor_lm_head_trains_like_the_unsharded_model():
+    """2 gloo ranks, a ColwiseParallel lm_head (DTensor Shard(0), 129 + 128 rows): the adapter
+    takes it over as it is, after head_from_colwise (our head, used as it is) and with
+    options of its own; losses, gradient norms and final weights equal the unsharded model's
+    (float64), and in eval mode the loss and the whole vocabulary's logits on both ranks.
+    A head refused on one rank only is refused on both, with that rank's message."""
+    ref64 = make_model("llama", False).double()
+    ref = train_plain(ref64, range(STEPS))
+    ref_state = {k: v.detach().clone() for k, v in ref64.state_dict().items()}
+    (ids, labels), _ = micro_batches(STEPS)
+    with torch.no_grad():
+        want = ref64.eval()(ids, labels=labels)
+    per_rank = run_ranks(_dtensor_runs, 2, timeout=120)
+    for rank, result in enumerate(per_rank):
+        refused = result.pop("refused")
+        assert refused.startswith("ValueError: layer.weight: expected a 2-D parameter of 128"), (
+            rank,
+            refused,
+        )
+        if rank == 0:
+            assert "raised on rank 1" in refused, refused
+        assert len(result) == 3, result.keys()
+        for key, r in result.items():
+            where = f"rank {rank}, {key}"
+            assert r["head"] == "DTensorLMHead" and r["same_param"], (where, r)
+            assert r["rows"] == [(0, 129), (129, V)][rank], (where, r)
+            assert r["own"] == (key == "head/as is"), (where, r)
+            assert r["mode"] == ("memory_saving" if "mode" in key else "auto"), (where, r)
+            close(r["losses"], ref["losses"], f"{where}: losses")
+            close(r["norms"], ref["norms"], f"{where}: gradient norms")
+            for name, value in r["state"].items():
+                close(value, ref_state[name], f"{where}: final {name}")
+            close(r["eval_loss"], want.loss.item(), f"{where}: eval loss")
+            assert r["eval_logits"].shape == (BATCH, SEQ, V), (where, r["eval_logits"].shape)
+            close(r["eval_logits"], want.logits, f"{where}: eval logits")
+            if key.startswith("head"):
+                close(r["logits"], want.logits, f"{where}: logits without labels")
+
+
 # ----------------------------------------------------------------------------- DeepSpeed
 
 
@@ -712,18 +832,30 @@ def _deepspeed_runs(group, ckpt_dir) -> dict:
         out[key] = info | _ds_train(engine, range(STEPS))
 
     # Removed: the original forward, rank-local logits, DeepSpeed's VocabParallelCausalLMLoss.
+    # Eval mode first: the loss and the logits of the whole vocabulary, gathered over TP.
     hook.remove()
     model = engine.module
     (ids, labels), _ = micro_batches(0)
+    start, end = current_head(model).vocab_start_index, current_head(model).vocab_end_index
     with torch.no_grad():
         ours = model(ids, labels=labels)
+        evaluated = model.eval()(ids, labels=labels)
+        model.train()
         remove_vocab_parallel_loss(model)
         theirs = model(ids, labels=labels)
+    target = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
     out["removed"] = dict(
         ours=ours.loss.item(),
         theirs=theirs.loss.item(),
         logits=tuple(theirs.logits.shape),
         loss_function=type(model.loss_function).__name__,
+        eval_logits=tuple(evaluated.logits.shape),
+        eval_loss=evaluated.loss.item(),
+        eval_ce=torch.nn.functional.cross_entropy(  # from the gathered logits, in float64
+            evaluated.logits.double().flatten(0, 1), target.flatten()
+        ).item(),
+        eval_rows=_np(evaluated.logits[..., start:end]),  # DeepSpeed's own rank-local logits
+        their_rows=_np(theirs.logits),
     )
 
     # Checkpoint: save after 1 step, 2 more; a new model (other weights) and engine load it
@@ -746,7 +878,9 @@ def test_deepspeed_dp_and_autotp_equal_unpatched(tmp_path):
     head, and AutoTP TP 2 (uneven shards 129 + 128) for Llama and Qwen2, untied and tied,
     patched before or after deepspeed.initialize, ZeRO 0 and 1: every rank's losses and
     gradient norms equal the unpatched single-process model's, and lm_head never runs.
-    Removing the patch gives DeepSpeed's own loss back; a checkpoint resumes exactly."""
+    In eval mode the logits are the whole vocabulary's on both ranks (this rank's columns:
+    DeepSpeed's own rank-local logits; their cross entropy: the loss). Removing the patch
+    gives DeepSpeed's own loss back; a checkpoint resumes exactly."""
     pytest.importorskip("deepspeed")
     refs = {(arch, tied): reference(arch, tied) for arch in ARCHS for tied in (False, True)}
     per_rank = run_ranks(_deepspeed_runs, 2, str(tmp_path / "ckpt"))
@@ -769,3 +903,6 @@ def test_deepspeed_dp_and_autotp_equal_unpatched(tmp_path):
         assert removed["loss_function"] == "VocabParallelCausalLMLoss", removed
         assert removed["logits"] == (BATCH, SEQ, [129, 128][rank]), removed
         close(removed["theirs"], removed["ours"], f"rank {rank}: DeepSpeed's loss after remove")
+        assert removed["eval_logits"] == (BATCH, SEQ, V), removed["eval_logits"]
+        close(removed["eval_loss"], removed["eval_ce"], f"rank {rank}: eval loss vs its logits")
+        close(removed["eval_rows"], removed["their_rows"], f"rank {rank}: gathered logits")

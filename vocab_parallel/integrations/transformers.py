@@ -5,7 +5,7 @@
     model = AutoModelForCausalLM.from_pretrained(...)        # or from a config
     apply_vocab_parallel_loss(model)                         # before or after deepspeed.initialize
     out = model(input_ids, labels=labels, num_items_in_batch=n)
-    out.loss.backward()                                      # out.logits is None: none computed
+    out.loss.backward()                                      # out.logits is None (training mode)
 
 One call, and ``model(..., labels=...)`` returns the loss of Hugging Face's causal-LM loss
 (``ForCausalLMLoss``: labels shifted by one inside the model, ``-100`` ignored, the mean
@@ -22,18 +22,29 @@ The LM head is whatever ``model.get_output_embeddings()`` is **at each call**:
   of ``lm_head`` with ``"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head":
   true}``: the loss runs on the layer's own shard parameter (no copy) over its
   tensor-parallel group and row range (see
-  :func:`vocab_parallel.integrations.deepspeed.head_from_autotp`).
+  :func:`vocab_parallel.integrations.deepspeed.head_from_autotp`);
+* a ``ColwiseParallel`` projection (torch's ``parallelize_module``: a ``Shard(0)`` DTensor
+  weight on a 1-D mesh): the loss runs on that DTensor parameter over the mesh's group and
+  DTensor's rows (:func:`vocab_parallel.dtensor.head_from_colwise`);
+* our own :class:`VocabParallelLMHead` (e.g. ``model.lm_head = head_from_colwise(...)``):
+  used as it is, with its own loss options; options given to the adapter make a head with
+  those on the same parameters.
+
+A layer refused on one rank of its tensor-parallel group (a rank-local check of a shard)
+is refused on every rank of it, with that rank's message, before any collective.
 
 So the call works before or after ``deepspeed.initialize`` (which replaces ``lm_head``),
 and again after another ``initialize``. The patch lives on the model instance: ``forward``
 is replaced by an instance attribute (the class and other instances are untouched), and
 nothing is registered as a submodule (``state_dict`` and checkpoints are unchanged).
-:func:`remove_vocab_parallel_loss` puts the original ``forward`` back.
+:func:`remove_vocab_parallel_loss` puts the original ``forward`` back (also on a
+``copy.deepcopy`` of a patched model, which is patched on its own).
 
 What the patched ``forward`` does:
 
 * **Without** ``labels`` (and ``shift_labels``): the original ``forward``, unchanged
-  (generation, logits for evaluation).
+  (generation, logits for evaluation); with our own head as ``lm_head`` (which the
+  original forward would call without targets), the base model and the logits below.
 * **With** ``labels``: the base model's forward (``model.base_model``, all other arguments
   passed on), then the fused loss on the last hidden states. Labels are shifted as in
   ``ForCausalLMLoss`` (padded with ``ignore_index`` at the end: position ``t`` predicts
@@ -41,13 +52,19 @@ What the patched ``forward`` does:
   collators) is used as it is. ``num_items_in_batch`` (int or tensor) makes the loss
   ``sum / num_items_in_batch``; without it the loss is the head's ``reduction``
   (``"mean"`` over non-ignored tokens by default).
-* **Logits** only when asked: ``return_logits=True`` (an argument of the patched
-  ``forward``) or a non-zero ``logits_to_keep`` then also run ``lm_head`` on the positions
-  that ``logits_to_keep`` selects (all of them for 0). The loss still covers every position
-  with a label. Under AutoTP these logits are the rank-local ``[..., V_local]`` slice, as
-  DeepSpeed's ``VocabParallelLinear`` returns them. ``return_logits=False`` never computes
-  logits. Otherwise ``logits`` is ``None``: in memory-saving mode no ``[tokens, V]`` tensor
-  exists at any time.
+* **Logits**: in training mode (``model.training``) with labels, none (``logits`` is
+  ``None``: in memory-saving mode no ``[tokens, V]`` tensor exists at any time), unless
+  asked: ``return_logits=True`` (an argument of the patched ``forward``) or a non-zero
+  ``logits_to_keep``. In eval mode (``Trainer.evaluate`` / ``predict``, ``model.eval()``)
+  they are computed, as the unpatched model does, so that ``compute_metrics`` and
+  ``predict`` get them; ``apply_vocab_parallel_loss(model, eval_logits=False)`` or
+  ``return_logits=False`` turns that off. Logits are those of the positions that
+  ``logits_to_keep`` selects (all for 0), over the **whole vocabulary on every rank**
+  (under tensor parallelism this rank's columns from its shard, the others gathered;
+  their gradient, if any, reaches this rank's shard from its own columns, Megatron's
+  convention for a computation replicated on the ranks). The loss still covers every
+  position with a label. With ``sequence_parallel=True`` no logits are computed (eval:
+  a warning; ``return_logits=True``: a ``ValueError``).
 * Returns ``transformers.modeling_outputs.CausalLMOutputWithPast`` (``loss``, ``logits``
   and the base model's ``cache`` / ``hidden_states`` / ``attentions``), or its
   ``to_tuple()`` for ``return_dict=False``.

@@ -26,6 +26,7 @@ import inspect
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -98,9 +99,11 @@ def num_items(batches) -> int:
     return sum(int((labels[..., 1:] != -100).sum()) for _, labels in batches)
 
 
-def train_plain(model: nn.Module, steps, as_tensor: bool = True) -> dict:
+def train_plain(
+    model: nn.Module, steps, as_tensor: bool = True, clip=torch.nn.utils.clip_grad_norm_
+) -> dict:
     """Steps of plain PyTorch: per step the loss (sum of the micro-batch losses, i.e. the
-    mean over the step's tokens), the gradient norm before clipping, then SGD."""
+    mean over the step's tokens), the gradient norm before clipping (``clip``), then SGD."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses, norms = [], []
     for step in steps:
@@ -111,7 +114,7 @@ def train_plain(model: nn.Module, steps, as_tensor: bool = True) -> dict:
             out = model(ids, labels=labels, num_items_in_batch=n)
             out.loss.backward()
             total += out.loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        norms.append(float(clip(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -408,6 +411,110 @@ def test_importing_the_adapter_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_deepcopy_then_remove_restores_on_the_copy_and_the_original():
+    """A deep copy of a patched model is patched on its own; removing the patch from the copy
+    gives the copy the class's forward (not a copied placeholder), and the original stays
+    patched until its own removal. A forward that was an instance attribute before patching
+    comes back on the copy bound to the copy."""
+    plain = make_model("llama", False)
+    (ids, labels), _ = micro_batches(0)
+    with torch.no_grad():
+        ref = copy.deepcopy(plain).double()(ids, labels=labels)
+    model = apply_vocab_parallel_loss(copy.deepcopy(plain))
+    model(ids, labels=labels)  # a cached head on the original: not shared with the copy
+    twin = copy.deepcopy(model)
+    assert is_patched(twin) and current_head(twin).weight is twin.lm_head.weight
+    assert remove_vocab_parallel_loss(twin) is twin and not is_patched(twin)
+    assert "forward" not in twin.__dict__, "the copy keeps an instance forward"
+    out = twin(ids, labels=labels)
+    close(out.loss.item(), ref.loss.item(), "copy after remove: loss")
+    close(out.logits.detach(), ref.logits, "copy after remove: logits")
+    assert is_patched(model) and model(ids, labels=labels).logits is None
+    close(model(ids, labels=labels).loss.item(), ref.loss.item(), "original, still patched")
+    remove_vocab_parallel_loss(model)
+    assert "forward" not in model.__dict__
+    close(model(ids, labels=labels).logits.detach(), ref.logits, "original after remove")
+
+    # an instance forward before patching (accelerate and others wrap forward so)
+    wrapped = copy.deepcopy(plain)
+    calls = []
+
+    def own_forward(self, *args, **kwargs):
+        calls.append(self)
+        return type(self).forward(self, *args, **kwargs)
+
+    wrapped.forward = types.MethodType(own_forward, wrapped)
+    twin = copy.deepcopy(apply_vocab_parallel_loss(wrapped))
+    remove_vocab_parallel_loss(twin)
+    assert twin.forward.__func__ is own_forward and twin.forward.__self__ is twin
+    close(twin(ids, labels=labels).loss.item(), ref.loss.item(), "copy's own forward")
+    assert calls == [twin]
+    remove_vocab_parallel_loss(wrapped)
+    assert wrapped.forward.__func__ is own_forward and wrapped.forward.__self__ is wrapped
+
+
+def test_eval_mode_returns_the_logits():
+    """In eval mode a call with labels returns the loss and the logits (as the unpatched
+    model does: what evaluation and compute_metrics read); eval_logits=False, or
+    return_logits=False, keeps the training path's memory (no logits); training mode
+    computes none unless asked."""
+    plain = make_model("qwen2", False)
+    ref64 = copy.deepcopy(plain).double().eval()
+    model = apply_vocab_parallel_loss(copy.deepcopy(plain)).eval()
+    (ids, labels), _ = micro_batches(2)
+    with torch.no_grad():
+        ref = ref64(ids, labels=labels)
+        out = model(ids, labels=labels)
+        close(out.logits, ref.logits, "eval logits")
+        close(out.loss.item(), ref.loss.item(), "eval loss")
+        assert model(ids, labels=labels, return_logits=False).logits is None
+        apply_vocab_parallel_loss(model, eval_logits=False)
+        assert model(ids, labels=labels).logits is None
+        close(model(ids, labels=labels).loss.item(), ref.loss.item(), "eval loss, no logits")
+        assert model.train()(ids, labels=labels).logits is None
+    with pytest.raises(TypeError, match="eval_logits"):
+        apply_vocab_parallel_loss(model, eval_logits="yes")
+    with pytest.raises(TypeError, match="return_logits"):
+        model(ids, labels=labels, return_logits=1)
+
+
+def test_our_own_head_as_lm_head_is_used_as_it_is():
+    """A VocabParallelLMHead in place of lm_head (the whole vocabulary here) is the head the
+    adapter computes with, its own options included; options given to the adapter make a
+    head with those on the same parameter. Calls without labels (generation, prediction)
+    get their logits from it too: the original forward would call it without targets."""
+    from vocab_parallel.lm_head import VocabParallelLMHead
+
+    plain = make_model("llama", False)
+    (ids, labels), _ = micro_batches(1)
+    ref64 = copy.deepcopy(plain).double()
+    ref = ref64(ids, labels=labels)
+    ref.loss.backward()
+    model = copy.deepcopy(plain)
+    model.lm_head = VocabParallelLMHead.from_shard(model.lm_head.weight, V, 0, mode="memory_saving")
+    apply_vocab_parallel_loss(model)
+    assert current_head(model) is model.lm_head
+    out = model(ids, labels=labels)
+    assert out.logits is None
+    close(out.loss.item(), ref.loss.item(), "own head: loss")
+    out.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref64.parameters(), strict=True):
+        close(p.grad, q.grad, f"own head: grad of {name}")
+    with torch.no_grad():
+        close(model(ids).logits, ref.logits, "own head: logits without labels")
+        close(model(ids, logits_to_keep=1).logits, ref.logits[:, -1:], "logits_to_keep=1")
+    apply_vocab_parallel_loss(model, label_smoothing=0.1)
+    head = current_head(model)
+    assert head is not model.lm_head and head.weight is model.lm_head.weight
+    assert head.loss_options["label_smoothing"] == 0.1
+    assert head.loss_options["mode"] == "memory_saving", "the head's own options are kept"
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(
+            ref.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), label_smoothing=0.1
+        )
+        close(model(ids, labels=labels).loss.item(), want.item(), "own head, label smoothing")
+
+
 # ----------------------------------------------------------------------------- the Trainer
 
 
@@ -460,6 +567,170 @@ def test_trainer_gradient_accumulation_equals_unpatched(tmp_path):
     close([x[0] for x in logs["patched"]], [x[0] for x in logs["plain"]], "Trainer losses")
     close([x[1] for x in logs["patched"]], [x[1] for x in logs["plain"]], "Trainer norms")
     assert len(counts) == STEPS * GA and all(torch.is_tensor(n) for n in counts), counts
+
+
+def test_trainer_predict_and_evaluate_get_the_logits(tmp_path):
+    """Trainer.predict returns the logits of the whole vocabulary and the loss, and
+    Trainer.evaluate hands the logits to compute_metrics: both as with the unpatched model
+    (against its float64 copy)."""
+    pytest.importorskip("accelerate")
+    import numpy as np
+    from transformers import Trainer, TrainingArguments
+
+    batches = micro_batches(0)
+    rows = [{"input_ids": i[k], "labels": y[k]} for i, y in batches for k in range(BATCH)]
+    ids, labels = (torch.cat([b[j] for b in batches]) for j in (0, 1))
+    plain = make_model("llama", False)
+    with torch.no_grad():
+        ref = copy.deepcopy(plain).double().eval()(ids, labels=labels)
+
+    def accuracy(logits, labels):  # next-token accuracy over the predicted labels
+        hit = (np.asarray(logits)[:, :-1].argmax(-1) == labels[:, 1:])[labels[:, 1:] != -100]
+        return float(hit.mean())
+
+    seen = []
+
+    def compute_metrics(p):
+        seen.append(np.shape(p.predictions))
+        return {"accuracy": accuracy(p.predictions, p.label_ids)}
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        per_device_eval_batch_size=len(rows),  # one batch: eval_loss is the batch's mean
+        report_to=[],
+        disable_tqdm=True,
+    )
+    model = apply_vocab_parallel_loss(copy.deepcopy(plain))
+    trainer = Trainer(model=model, args=args, compute_metrics=compute_metrics)
+    predicted = trainer.predict(rows)
+    assert np.shape(predicted.predictions) == (len(rows), SEQ, V), type(predicted.predictions)
+    close(predicted.predictions, ref.logits, "predict: logits")
+    close(predicted.metrics["test_loss"], ref.loss.item(), "predict: loss")
+    metrics = trainer.evaluate(rows)
+    assert seen == [(len(rows), SEQ, V)] * 2, seen
+    assert metrics["eval_accuracy"] == accuracy(ref.logits.numpy(), labels.numpy())
+    close(metrics["eval_loss"], ref.loss.item(), "evaluate: loss")
+
+
+# ----------------------------------------------------------------------------- DTensor
+
+
+def _clip_full_model(params, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ for a model with DTensor (sharded) and plain parameters,
+    which torch's own refuses to mix: the norm of the whole model's gradient."""
+    from vocab_parallel.dtensor import is_dtensor
+
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad.full_tensor() if is_dtensor(p.grad) else p.grad for p in params]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    for p in params:
+        p.grad.mul_(coef)
+    return total
+
+
+def _dtensor_runs(group) -> dict:
+    """On this rank: a Llama whose lm_head is ColwiseParallel (DTensor weight over a 1-D mesh
+    of both ranks), patched as it is, after head_from_colwise, and after head_from_colwise
+    with options for the adapter; trained, then evaluated. And a head whose rows are wrong
+    on rank 1 only."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from vocab_parallel.dtensor import head_from_colwise, is_dtensor
+
+    rank = dist.get_rank(group)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(group),))
+    (ids, labels), _ = micro_batches(STEPS)  # not a training batch
+    out = {}
+    for how, options in (("colwise", {}), ("head", {}), ("head", {"mode": "memory_saving"})):
+        model = make_model("llama", False)
+        model = parallelize_module(model, mesh, {"lm_head": ColwiseParallel()})
+        param = model.lm_head.weight
+        if how == "head":
+            model.lm_head = head_from_colwise(model.lm_head)
+        apply_vocab_parallel_loss(model, **options)
+        head = current_head(model)
+        info = dict(
+            head=type(head).__name__,
+            own=head is model.lm_head,
+            same_param=head.weight is param,
+            rows=(head.vocab_start_index, head.vocab_end_index),
+            mode=head.loss_options["mode"],
+        )
+        run = train_plain(model, range(STEPS), clip=_clip_full_model)
+        state = {
+            name: _np(v.full_tensor() if is_dtensor(v) else v)  # numpy: tensors would be
+            for name, v in model.state_dict().items()  # shared with the exiting rank
+        }
+        model.eval()
+        with torch.no_grad():
+            evaluated = model(ids, labels=labels)
+            logits = _np(model(ids).logits) if how == "head" else None  # no labels
+        key = f"{how}/{','.join(options) or 'as is'}"
+        out[key] = info | run | dict(
+            state=state, eval_loss=evaluated.loss.item(), eval_logits=_np(evaluated.logits),
+            logits=logits,
+        )  # fmt: skip
+
+    class Rows(nn.Module):  # the attributes of DeepSpeed's VocabParallelLinear
+        def __init__(self):
+            super().__init__()
+            self.vocab_size, self.mp_group, self.bias = V, group, None
+            self.vocab_start_index, self.vocab_end_index = [(0, 129), (129, V)][rank]
+            rows = self.vocab_end_index - self.vocab_start_index + rank  # wrong on rank 1
+            self.weight = nn.Parameter(torch.zeros(rows, H))
+
+    model = make_model("llama", False)
+    model.lm_head = Rows()
+    try:
+        apply_vocab_parallel_loss(model)
+        out["refused"] = "no error"
+    except (TypeError, ValueError) as exc:
+        out["refused"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.slow
+def test_dtensor_lm_head_trains_like_the_unsharded_model():
+    """2 gloo ranks, a ColwiseParallel lm_head (DTensor Shard(0), 129 + 128 rows): the adapter
+    takes it over as it is, after head_from_colwise (our head, used as it is) and with
+    options of its own; losses, gradient norms and final weights equal the unsharded model's
+    (float64), and in eval mode the loss and the whole vocabulary's logits on both ranks.
+    A head refused on one rank only is refused on both, with that rank's message."""
+    ref64 = make_model("llama", False).double()
+    ref = train_plain(ref64, range(STEPS))
+    ref_state = {k: v.detach().clone() for k, v in ref64.state_dict().items()}
+    (ids, labels), _ = micro_batches(STEPS)
+    with torch.no_grad():
+        want = ref64.eval()(ids, labels=labels)
+    per_rank = run_ranks(_dtensor_runs, 2, timeout=120)
+    for rank, result in enumerate(per_rank):
+        refused = result.pop("refused")
+        assert refused.startswith("ValueError: layer.weight: expected a 2-D parameter of 128"), (
+            rank,
+            refused,
+        )
+        if rank == 0:
+            assert "raised on rank 1" in refused, refused
+        assert len(result) == 3, result.keys()
+        for key, r in result.items():
+            where = f"rank {rank}, {key}"
+            assert r["head"] == "DTensorLMHead" and r["same_param"], (where, r)
+            assert r["rows"] == [(0, 129), (129, V)][rank], (where, r)
+            assert r["own"] == (key == "head/as is"), (where, r)
+            assert r["mode"] == ("memory_saving" if "mode" in key else "auto"), (where, r)
+            close(r["losses"], ref["losses"], f"{where}: losses")
+            close(r["norms"], ref["norms"], f"{where}: gradient norms")
+            for name, value in r["state"].items():
+                close(value, ref_state[name], f"{where}: final {name}")
+            close(r["eval_loss"], want.loss.item(), f"{where}: eval loss")
+            assert r["eval_logits"].shape == (BATCH, SEQ, V), (where, r["eval_logits"].shape)
+            close(r["eval_logits"], want.logits, f"{where}: eval logits")
+            if key.startswith("head"):
+                close(r["logits"], want.logits, f"{where}: logits without labels")
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
@@ -561,18 +832,30 @@ def _deepspeed_runs(group, ckpt_dir) -> dict:
         out[key] = info | _ds_train(engine, range(STEPS))
 
     # Removed: the original forward, rank-local logits, DeepSpeed's VocabParallelCausalLMLoss.
+    # Eval mode first: the loss and the logits of the whole vocabulary, gathered over TP.
     hook.remove()
     model = engine.module
     (ids, labels), _ = micro_batches(0)
+    start, end = current_head(model).vocab_start_index, current_head(model).vocab_end_index
     with torch.no_grad():
         ours = model(ids, labels=labels)
+        evaluated = model.eval()(ids, labels=labels)
+        model.train()
         remove_vocab_parallel_loss(model)
         theirs = model(ids, labels=labels)
+    target = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
     out["removed"] = dict(
         ours=ours.loss.item(),
         theirs=theirs.loss.item(),
         logits=tuple(theirs.logits.shape),
         loss_function=type(model.loss_function).__name__,
+        eval_logits=tuple(evaluated.logits.shape),
+        eval_loss=evaluated.loss.item(),
+        eval_ce=torch.nn.functional.cross_entropy(  # from the gathered logits, in float64
+            evaluated.logits.double().flatten(0, 1), target.flatten()
+        ).item(),
+        eval_rows=_np(evaluated.logits[..., start:end]),  # DeepSpeed's own rank-local logits
+        their_rows=_np(theirs.logits),
     )
 
     # Checkpoint: save after 1 step, 2 more; a new model (other weights) and engine load it
@@ -595,7 +878,9 @@ def test_deepspeed_dp_and_autotp_equal_unpatched(tmp_path):
     head, and AutoTP TP 2 (uneven shards 129 + 128) for Llama and Qwen2, untied and tied,
     patched before or after deepspeed.initialize, ZeRO 0 and 1: every rank's losses and
     gradient norms equal the unpatched single-process model's, and lm_head never runs.
-    Removing the patch gives DeepSpeed's own loss back; a checkpoint resumes exactly."""
+    In eval mode the logits are the whole vocabulary's on both ranks (this rank's columns:
+    DeepSpeed's own rank-local logits; their cross entropy: the loss). Removing the patch
+    gives DeepSpeed's own loss back; a checkpoint resumes exactly."""
     pytest.importorskip("deepspeed")
     refs = {(arch, tied): reference(arch, tied) for arch in ARCHS for tied in (False, True)}
     per_rank = run_ranks(_deepspeed_runs, 2, str(tmp_path / "ckpt"))
@@ -618,3 +903,6 @@ def test_deepspeed_dp_and_autotp_equal_unpatched(tmp_path):
         assert removed["loss_function"] == "VocabParallelCausalLMLoss", removed
         assert removed["logits"] == (BATCH, SEQ, [129, 128][rank]), removed
         close(removed["theirs"], removed["ours"], f"rank {rank}: DeepSpeed's loss after remove")
+        assert removed["eval_logits"] == (BATCH, SEQ, V), removed["eval_logits"]
+        close(removed["eval_loss"], removed["eval_ce"], f"rank {rank}: eval loss vs its logits")
+        close(removed["eval_rows"], removed["their_rows"], f"rank {rank}: gathered logits")

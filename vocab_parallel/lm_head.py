@@ -178,8 +178,9 @@ class VocabParallelLMHead(nn.Module):
 
     @property
     def loss_options(self) -> dict[str, Any]:
-        """The head's loss options by name (read-only view of ``self.options``)."""
-        return {name: getattr(self.options, name) for name in OPTION_NAMES}
+        """The head's loss options by name (a read-only view of ``self.options``; the layout
+        is the head's own)."""
+        return {n: getattr(self.options, n) for n in OPTION_NAMES if n not in LAYOUT_OPTIONS}
 
     def forward(
         self,

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.lm_head import VocabParallelLMHead
 from vocab_parallel.parallel import ModelParallelUnit, ParallelGroups
 
@@ -231,7 +232,9 @@ def head_from_autotp(layer: nn.Module, **loss_options) -> VocabParallelLMHead:
     Raises:
         TypeError: ``layer`` is neither (e.g. AutoTP's column-parallel ``LinearLayer``,
             which gathers full logits, when ``vocab_parallel_lm_head`` is off); the message
-            names the DeepSpeed option to turn on.
+            names the DeepSpeed option to turn on. Also a layer with a DTensor weight
+            (``ColwiseParallel``): :func:`vocab_parallel.dtensor.head_from_colwise` is its
+            head.
         ValueError: a weight that does not match the layer's rows, a weight partitioned by
             ZeRO stage 3, or a bias where the loss takes none.
     """
@@ -248,6 +251,13 @@ def head_from_autotp(layer: nn.Module, **loss_options) -> VocabParallelLMHead:
             "nn.Linear head (no tensor parallelism)"
         )
     weight, bias = layer.weight, getattr(layer, "bias", None)
+    if is_dtensor(weight) or is_dtensor(bias):
+        # torch-native tensor parallelism: the shard layout is the DTensor's, not rows of
+        # the whole vocabulary (a plain-Linear head here would state the wrong rows)
+        raise TypeError(
+            f"layer: {type(layer).__name__}'s weight is a DTensor (parallelize_module with "
+            "ColwiseParallel); use vocab_parallel.dtensor.head_from_colwise(layer)"
+        )
     if bias is not None:  # this rank's bias rows, the layer's parameter: passed to the loss
         if loss_options.get("bias") is not None:
             raise ValueError("bias: the layer has its own bias; do not pass one")

@@ -5,7 +5,7 @@
     model = AutoModelForCausalLM.from_pretrained(...)        # or from a config
     apply_vocab_parallel_loss(model)                         # before or after deepspeed.initialize
     out = model(input_ids, labels=labels, num_items_in_batch=n)
-    out.loss.backward()                                      # out.logits is None: none computed
+    out.loss.backward()                                      # out.logits is None (training mode)
 
 One call, and ``model(..., labels=...)`` returns the loss of Hugging Face's causal-LM loss
 (``ForCausalLMLoss``: labels shifted by one inside the model, ``-100`` ignored, the mean
@@ -22,18 +22,29 @@ The LM head is whatever ``model.get_output_embeddings()`` is **at each call**:
   of ``lm_head`` with ``"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head":
   true}``: the loss runs on the layer's own shard parameter (no copy) over its
   tensor-parallel group and row range (see
-  :func:`vocab_parallel.integrations.deepspeed.head_from_autotp`).
+  :func:`vocab_parallel.integrations.deepspeed.head_from_autotp`);
+* a ``ColwiseParallel`` projection (torch's ``parallelize_module``: a ``Shard(0)`` DTensor
+  weight on a 1-D mesh): the loss runs on that DTensor parameter over the mesh's group and
+  DTensor's rows (:func:`vocab_parallel.dtensor.head_from_colwise`);
+* our own :class:`VocabParallelLMHead` (e.g. ``model.lm_head = head_from_colwise(...)``):
+  used as it is, with its own loss options; options given to the adapter make a head with
+  those on the same parameters.
+
+A layer refused on one rank of its tensor-parallel group (a rank-local check of a shard)
+is refused on every rank of it, with that rank's message, before any collective.
 
 So the call works before or after ``deepspeed.initialize`` (which replaces ``lm_head``),
 and again after another ``initialize``. The patch lives on the model instance: ``forward``
 is replaced by an instance attribute (the class and other instances are untouched), and
 nothing is registered as a submodule (``state_dict`` and checkpoints are unchanged).
-:func:`remove_vocab_parallel_loss` puts the original ``forward`` back.
+:func:`remove_vocab_parallel_loss` puts the original ``forward`` back (also on a
+``copy.deepcopy`` of a patched model, which is patched on its own).
 
 What the patched ``forward`` does:
 
 * **Without** ``labels`` (and ``shift_labels``): the original ``forward``, unchanged
-  (generation, logits for evaluation).
+  (generation, logits for evaluation); with our own head as ``lm_head`` (which the
+  original forward would call without targets), the base model and the logits below.
 * **With** ``labels``: the base model's forward (``model.base_model``, all other arguments
   passed on), then the fused loss on the last hidden states. Labels are shifted as in
   ``ForCausalLMLoss`` (padded with ``ignore_index`` at the end: position ``t`` predicts
@@ -41,13 +52,19 @@ What the patched ``forward`` does:
   collators) is used as it is. ``num_items_in_batch`` (int or tensor) makes the loss
   ``sum / num_items_in_batch``; without it the loss is the head's ``reduction``
   (``"mean"`` over non-ignored tokens by default).
-* **Logits** only when asked: ``return_logits=True`` (an argument of the patched
-  ``forward``) or a non-zero ``logits_to_keep`` then also run ``lm_head`` on the positions
-  that ``logits_to_keep`` selects (all of them for 0). The loss still covers every position
-  with a label. Under AutoTP these logits are the rank-local ``[..., V_local]`` slice, as
-  DeepSpeed's ``VocabParallelLinear`` returns them. ``return_logits=False`` never computes
-  logits. Otherwise ``logits`` is ``None``: in memory-saving mode no ``[tokens, V]`` tensor
-  exists at any time.
+* **Logits**: in training mode (``model.training``) with labels, none (``logits`` is
+  ``None``: in memory-saving mode no ``[tokens, V]`` tensor exists at any time), unless
+  asked: ``return_logits=True`` (an argument of the patched ``forward``) or a non-zero
+  ``logits_to_keep``. In eval mode (``Trainer.evaluate`` / ``predict``, ``model.eval()``)
+  they are computed, as the unpatched model does, so that ``compute_metrics`` and
+  ``predict`` get them; ``apply_vocab_parallel_loss(model, eval_logits=False)`` or
+  ``return_logits=False`` turns that off. Logits are those of the positions that
+  ``logits_to_keep`` selects (all for 0), over the **whole vocabulary on every rank**
+  (under tensor parallelism this rank's columns from its shard, the others gathered;
+  their gradient, if any, reaches this rank's shard from its own columns, Megatron's
+  convention for a computation replicated on the ranks). The loss still covers every
+  position with a label. With ``sequence_parallel=True`` no logits are computed (eval:
+  a warning; ``return_logits=True``: a ``ValueError``).
 * Returns ``transformers.modeling_outputs.CausalLMOutputWithPast`` (``loss``, ``logits``
   and the base model's ``cache`` / ``hidden_states`` / ``attentions``), or its
   ``to_tuple()`` for ``return_dict=False``.
@@ -71,21 +88,25 @@ import it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import types
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from vocab_parallel.distributed import all_reduce, group_ranks, world_size
+from vocab_parallel.dtensor import DTensorLMHead, head_from_colwise, is_dtensor
 from vocab_parallel.integrations.deepspeed import head_from_autotp
 from vocab_parallel.lm_head import VocabParallelLMHead, head_options
 
 _STATE = "_vocab_parallel_loss"  # the patch's state in the model's __dict__
-_MISSING = object()
 
 # Loss arguments of the causal-LM forward (ForCausalLMLoss's keywords), not the base model's.
 _LOSS_ARGS = ("labels", "shift_labels", "num_items_in_batch", "ignore_index")
@@ -96,13 +117,29 @@ class _Patch:
     """What :func:`apply_vocab_parallel_loss` keeps on the model (not a module)."""
 
     original: Any  # the forward that was in place (a bound method, usually the class's)
-    previous: Any  # the instance attribute ``forward`` before patching, or _MISSING
+    # Whether ``forward`` was an instance attribute before patching, and which. A flag, not
+    # a sentinel object: ``copy.deepcopy`` of the model copies a sentinel into another
+    # object, and an identity test against it would then fail on the copy.
+    had_instance_forward: bool
+    previous: Any  # that instance attribute (None when there was none)
     signature: inspect.Signature  # of ``original``
     options: dict[str, Any]  # the loss options (all of them, validated)
+    given: dict[str, Any]  # the options as passed (with what the config implies)
+    eval_logits: bool  # logits in eval mode (model.training False) unless told otherwise
     head: tuple | None = None  # (layer, weight, bias, VocabParallelLMHead) of the last call
 
+    def __deepcopy__(self, memo: dict) -> _Patch:
+        """A copy for the copied model: the bound methods follow the copy (``memo`` maps the
+        model to its copy); the cached head is left out and rebuilt on the copy's layer at
+        its first call (it may hold a process group, which cannot be copied)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields = {k: copy.deepcopy(v, memo) for k, v in fields.items() if k != "head"}
+        return _Patch(**fields)
 
-def apply_vocab_parallel_loss(model: nn.Module, **loss_options: Any) -> nn.Module:
+
+def apply_vocab_parallel_loss(
+    model: nn.Module, *, eval_logits: bool = True, **loss_options: Any
+) -> nn.Module:
     """Make ``model(..., labels=...)`` compute its loss with the vocabulary-parallel loss.
 
     Args:
@@ -117,23 +154,35 @@ def apply_vocab_parallel_loss(model: nn.Module, **loss_options: Any) -> nn.Modul
     Applying again replaces the options. Returns ``model`` (patched in place).
 
     Raises:
-        TypeError: not a causal LM, a bad option name, or an output layer that is neither
-            an ``nn.Linear`` nor AutoTP's vocabulary-parallel head (the message names the
-            DeepSpeed option to turn on).
+        TypeError: not a causal LM, a bad option name, or an output layer that is none of
+            an ``nn.Linear``, AutoTP's vocabulary-parallel head (the message names the
+            DeepSpeed option to turn on), a ``ColwiseParallel`` projection (DTensor weight)
+            and a :class:`VocabParallelLMHead`.
         ValueError: a bad option value, or a softcap other than the model's.
+
+    A layer refused on one rank of its tensor-parallel group is refused on every rank, with
+    the failing rank's message (the ranks agree before any of them goes on to a
+    collective of the loss).
         NotImplementedError: a model whose logits are more than ``lm_head(hidden)`` (see
             the module docstring).
     """
     _check_model(model)
-    options = _model_options(model, loss_options)
-    head_options(options)  # a bad name or value fails now
+    if not isinstance(eval_logits, bool):
+        raise TypeError(f"eval_logits: expected a bool, got {type(eval_logits).__name__}")
+    given = _model_options(model, loss_options)
+    head_options(given)  # a bad name or value fails now
+    options = given
     existing = model.__dict__.get(_STATE)
     if existing is None:
         original = model.forward
-        previous = model.__dict__.get("forward", _MISSING)
-        patch = _Patch(original, previous, inspect.signature(original), options)
+        had = "forward" in model.__dict__
+        previous = model.__dict__["forward"] if had else None
+        signature = inspect.signature(original)
+        patch = _Patch(original, had, previous, signature, options, given, eval_logits)
     else:  # applied again: new options, the same original forward
-        patch = dataclasses.replace(existing, options=options, head=None)
+        patch = dataclasses.replace(
+            existing, options=options, given=given, eval_logits=eval_logits, head=None
+        )
     _current_head(model, patch)  # a wrong head fails now (the model still unchanged)
     model.__dict__[_STATE] = patch
     model.forward = types.MethodType(_make_forward(patch.signature, patch.original), model)
@@ -146,10 +195,10 @@ def remove_vocab_parallel_loss(model: nn.Module) -> nn.Module:
     patch = model.__dict__.pop(_STATE, None)
     if patch is None:
         return model
-    if patch.previous is _MISSING:
-        model.__dict__.pop("forward", None)
-    else:
+    if patch.had_instance_forward:
         model.forward = patch.previous
+    else:  # the class's forward again
+        model.__dict__.pop("forward", None)
     return model
 
 
@@ -239,8 +288,91 @@ def _current_head(model: nn.Module, patch: _Patch) -> VocabParallelLMHead:
         *cached, head = patch.head
         if all(a is b for a, b in zip(cached, key, strict=True)) and head.weight is key[1]:
             return head
-    head = head_from_autotp(layer, **patch.options)
+    head = _build_head_on_every_rank(layer, patch)
     patch.head = (*key, head)
+    return head
+
+
+def _build_head(layer: nn.Module, patch: _Patch) -> VocabParallelLMHead:
+    """Our head for the output layer, by what the layer is."""
+    if isinstance(layer, VocabParallelLMHead):  # ours (DTensorLMHead too): used as it is
+        return _own_head(layer, patch.given)
+    if is_dtensor(getattr(layer, "weight", None)):  # ColwiseParallel (parallelize_module)
+        return head_from_colwise(layer, **patch.options)
+    return head_from_autotp(layer, **patch.options)  # AutoTP's, or a plain nn.Linear
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return type(a) is type(b) and a == b
+
+
+def _own_head(layer: VocabParallelLMHead, given: dict[str, Any]) -> VocabParallelLMHead:
+    """The model's own :class:`VocabParallelLMHead`: as it is, with its own options, unless
+    ``apply_vocab_parallel_loss`` was given other values (then a head with those, on the
+    very same parameters: nothing is copied, the layer is not changed)."""
+    own = {k: v for k, v in layer.loss_options.items() if k != "bias"}
+    if all(k in own and _same(own[k], v) for k, v in given.items()):
+        return layer
+    options = own | dict(given)
+    if isinstance(layer, DTensorLMHead):  # its weight and bias are DTensor parameters
+        return head_from_colwise(layer, **options)
+    bias = layer.bias if layer.bias is not None else layer.loss_options.get("bias")
+    if bias is not None:
+        options["bias"] = bias
+    return VocabParallelLMHead.from_shard(
+        layer.weight, layer.vocab_size, layer.vocab_start_index, layer.process_group, **options
+    )
+
+
+def _layer_group(layer: nn.Module) -> dist.ProcessGroup | None:
+    """The tensor-parallel group the output layer is sharded over, as far as it can be told
+    without validating the layer (``None``: none, or not known)."""
+    if isinstance(layer, VocabParallelLMHead):
+        return layer.process_group
+    weight = getattr(layer, "weight", None)
+    if is_dtensor(weight):
+        mesh = weight.device_mesh
+        return mesh.get_group() if mesh.ndim == 1 else None
+    group = getattr(layer, "mp_group", None)
+    return group if isinstance(group, dist.ProcessGroup) else None
+
+
+_ERRORS = {e.__name__: e for e in (TypeError, ValueError, NotImplementedError)}
+
+
+def _build_head_on_every_rank(layer: nn.Module, patch: _Patch) -> VocabParallelLMHead:
+    """:func:`_build_head`, with the ranks of the layer's group agreeing on the outcome.
+
+    Some checks of a shard are rank-local (this rank's rows against the layer's bounds, the
+    local shape of a DTensor): a rank that raised alone would leave the others waiting in
+    the loss's first collective. So each rank's outcome is exchanged (one small
+    collective, only when the head is (re)built: at ``apply_vocab_parallel_loss`` and when
+    the output layer changes, on every rank alike) and every rank raises the failing
+    rank's error.
+    """
+    group = _layer_group(layer)
+    try:
+        head, failure = _build_head(layer, patch), None
+    except tuple(_ERRORS.values()) as exc:
+        head, failure = None, exc
+    if world_size(group) > 1:
+        report = None if failure is None else (type(failure).__name__, str(failure))
+        reports: list = [None] * world_size(group)
+        dist.all_gather_object(reports, report, group=group)
+        failed = [(r, rep) for r, rep in zip(group_ranks(group), reports, strict=True) if rep]
+        if failed and failure is None:
+            rank, (kind, message) = failed[0]
+            ranks = [r for r, _ in failed]
+            raise _ERRORS.get(kind, ValueError)(
+                f"{message} [raised on rank {rank} (ranks {ranks} of the tensor-parallel "
+                f"group {group_ranks(group)} refused the output layer); every rank refuses it]"
+            )
+    if failure is not None:
+        raise failure
     return head
 
 
@@ -289,8 +421,14 @@ def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
     patch: _Patch = model.__dict__[_STATE]
     return_logits = kwargs.pop("return_logits", None)
     named = _named_arguments(patch.signature, args, kwargs)
-    if named is None or (named.get("labels") is None and named.get("shift_labels") is None):
-        return patch.original(*args, **kwargs)  # no loss asked for: unchanged
+    wants_loss = named is not None and (
+        named.get("labels") is not None or named.get("shift_labels") is not None
+    )
+    # No loss asked for: the original forward, unchanged; but not with our own head as
+    # lm_head, which the original forward would call without targets.
+    own_head = isinstance(model.get_output_embeddings(), VocabParallelLMHead)
+    if not wants_loss and (named is None or not own_head):
+        return patch.original(*args, **kwargs)
 
     loss_args = {name: named.pop(name, None) for name in _LOSS_ARGS}
     logits_to_keep = named.pop("logits_to_keep", 0)
@@ -303,37 +441,49 @@ def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
             f"ignore_index: {loss_args['ignore_index']} given to forward, but the loss was "
             f"set up with {ignore_index}; pass ignore_index to apply_vocab_parallel_loss"
         )
+    sequence_parallel = bool(head.loss_options.get("sequence_parallel"))
+    want_logits = _wants_logits(model, patch, return_logits, logits_to_keep, wants_loss)
+    if want_logits and sequence_parallel:
+        if return_logits:
+            raise ValueError(
+                "return_logits: with sequence_parallel=True each rank holds a slice of the "
+                "tokens; logits are not computed (call the model without sequence_parallel "
+                "for them)"
+            )
+        warnings.warn(
+            "vocab_parallel: no logits in eval mode with sequence_parallel=True (each rank "
+            "holds a slice of the tokens): Trainer.predict and compute_metrics get none; "
+            "pass eval_logits=False to apply_vocab_parallel_loss to silence this",
+            stacklevel=3,
+        )
+        want_logits = False
 
     outputs = model.base_model(**named)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
 
-    target = loss_args["shift_labels"]
-    if target is None:  # ForCausalLMLoss's shift: position t predicts labels[t + 1]
-        if head.loss_options.get("sequence_parallel"):
-            raise ValueError(
-                "labels: with sequence_parallel=True each rank holds a slice of the sequence, "
-                "and the next token of its last position is on the next rank: pass "
-                "shift_labels (the labels shifted over the whole sequence, then sliced)"
-            )
-        target = F.pad(loss_args["labels"], (0, 1), value=ignore_index)[..., 1:]
-    device = head.weight.device
-    loss = head(
-        hidden.to(device),
-        target.to(device),
-        num_items_in_batch=loss_args["num_items_in_batch"],
-    )
-    extras = ()
-    if isinstance(loss, tuple):  # return_lse=True: (loss, lse)
-        loss, *extras = loss
+    loss, extras = None, ()
+    if wants_loss:
+        target = loss_args["shift_labels"]
+        if target is None:  # ForCausalLMLoss's shift: position t predicts labels[t + 1]
+            if sequence_parallel:
+                raise ValueError(
+                    "labels: with sequence_parallel=True each rank holds a slice of the "
+                    "sequence, and the next token of its last position is on the next rank: "
+                    "pass shift_labels (the labels shifted over the whole sequence, then sliced)"
+                )
+            target = F.pad(loss_args["labels"], (0, 1), value=ignore_index)[..., 1:]
+        device = head.weight.device
+        loss = head(
+            hidden.to(device),
+            target.to(device),
+            num_items_in_batch=loss_args["num_items_in_batch"],
+        )
+        if isinstance(loss, tuple):  # return_lse=True: (loss, lse)
+            loss, *extras = loss
 
     logits = None
-    keep_some = not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
-    if return_logits or (return_logits is None and keep_some):
-        layer = model.get_output_embeddings()
-        logits = layer(_slice_logits_to_keep(hidden, logits_to_keep))
-        cap = head.loss_options.get("softcap")
-        if cap is not None:  # as the model's own forward (Gemma 2/3) returns them
-            logits = torch.tanh(logits / cap) * cap
+    if want_logits:
+        logits = full_logits(head, _slice_logits_to_keep(hidden, logits_to_keep))
 
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -348,6 +498,63 @@ def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
     if return_dict is None:
         return_dict = getattr(getattr(model, "config", None), "return_dict", True)
     return out if return_dict is not False else out.to_tuple()
+
+
+def _wants_logits(
+    model: nn.Module, patch: _Patch, return_logits: Any, logits_to_keep: Any, wants_loss: bool
+) -> bool:
+    """Whether this call computes logits: when asked (``return_logits=True``, a non-zero
+    ``logits_to_keep``), always without labels (that is all the call is for), and in eval
+    mode unless ``eval_logits=False``. In training mode, with labels, none: the point."""
+    if return_logits is not None:
+        if not isinstance(return_logits, bool):
+            raise TypeError(f"return_logits: expected a bool, got {type(return_logits).__name__}")
+        return return_logits
+    keep_some = not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
+    return keep_some or not wants_loss or (patch.eval_logits and not model.training)
+
+
+class _GatherVocab(torch.autograd.Function):
+    """Rank-local logits ``[..., rows]`` to the whole vocabulary ``[..., V]`` on every rank
+    of the group (shards are disjoint: a SUM all-reduce of zero-padded fp32 logits is exact,
+    and gloo has no half all-reduce). Backward: this rank's columns of the gradient, with no
+    collective, as Megatron's gather: what is computed from the full logits is assumed to be
+    the same on every rank (each rank's columns get the gradient once)."""
+
+    @staticmethod
+    def forward(ctx, local, process_group, start: int, vocab: int):
+        ctx.columns = (start, start + local.shape[-1])
+        full = local.new_zeros((*local.shape[:-1], vocab), dtype=torch.float32)
+        full[..., start : start + local.shape[-1]] = local
+        all_reduce(full, "SUM", process_group, "logits (eval/return_logits)")
+        return full.to(local.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start, end = ctx.columns
+        return grad[..., start:end], None, None, None
+
+
+def full_logits(head: VocabParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden [..., H]`` times the whole head: logits ``[..., vocab_size]`` on every rank
+    (this rank's rows from its shard, the rest gathered over the head's group), with the
+    head's bias and softcap, as the unpatched model computes them. Differentiable (see
+    :class:`_GatherVocab` for the gradient under tensor parallelism)."""
+    if is_dtensor(hidden):
+        hidden = hidden.full_tensor()
+    weight = head.weight.to_local() if is_dtensor(head.weight) else head.weight
+    bias = head.bias if head.bias is not None else head.loss_options.get("bias")
+    if is_dtensor(bias):
+        bias = bias.to_local()
+    logits = F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias)
+    if world_size(head.process_group) > 1:
+        logits = _GatherVocab.apply(
+            logits, head.process_group, head.vocab_start_index, head.vocab_size
+        )
+    cap = head.loss_options.get("softcap")
+    if cap is not None:  # as the model's own forward (Gemma 2/3) returns them
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def _slice_logits_to_keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor):

@@ -2,9 +2,9 @@
 
 When the loss is a scalar (``reduction="sum"`` or ``"mean"``) and a backward will follow,
 the gradient of each token is known in the forward up to the one upstream scalar ``g``
-(``docs/design.md``, "Modes"): the Function returns the SUM of the per-token losses, whose
-gradient with respect to each token's loss is 1 (0 for ignored tokens); the loss entry
-divides it (``vocab_parallel.reduction``), which makes ``g`` the mean's ``1 / count``. So
+(``docs/design.md``, "Modes"): ``d loss / d loss_i`` is ``g`` (sum) or ``g / count`` (mean,
+``count`` the non-ignored tokens, or their targets' class weights summed:
+``vocab_parallel.reduction.mean_denominator``), 0 for ignored tokens. So
 the forward walks the tokens in chunks of ``R`` rows, and for each chunk (the math of
 ``vocab_parallel.stats``, per token):
 
@@ -12,7 +12,7 @@ the forward walks the tokens in chunks of ``R`` rows, and for each chunk (the ma
     stats        local max / sum-exp / predicted / logit-sum of z_c
     M, S, P, A   MAX and SUM all-reduces            (they gate the chunk: blocking)
     loss_c, lse_c
-    G_c          computed in place of z_c with a unit upstream gradient (the backend)
+    G_c          computed in place of z_c (the backend's fused epilogue)
     grad_input_c = G_c @ W                          GEMM 2, written into its rows
                    SUM all-reduce started asynchronously (does not gate the next chunk)
     grad_weight += G_c.T @ x_c                      GEMM 3, fp32 accumulator
@@ -22,9 +22,11 @@ and waits for the ``grad_input`` all-reduces at the end. Three GEMMs and no reco
 backend's ``G`` buffer where it has its own (Triton: in the input dtype), and for half
 inputs fp32 ``grad_weight``/``grad_input`` accumulators until the backward. The backward
 multiplies the saved gradients by ``g`` in place (exact for the usual ``g = 1``) and hands
-them to autograd. Forming ``G`` with unit token gradients keeps fp16's narrow range from
-flushing small terms (``mode="auto"`` still runs memory-saving mode for fp16, where
-GradScaler's factor reaches ``G`` before its rounding).
+them to autograd. fp16 inputs and class weights form ``G`` with a per-token gradient of
+1 and apply the mean's ``1 / count`` to the fp32 results: fp16's narrow range would flush
+small terms, and a weighted mean's denominator is known only after the last chunk
+(``mode="auto"`` runs memory-saving mode for fp16, where GradScaler's factor reaches ``G``
+before its rounding).
 
 The all-reduces of ``grad_input`` are the same collectives whether they overlap the next
 chunk or not (:data:`OVERLAP`), over disjoint rows, so the result is bitwise identical
@@ -50,6 +52,7 @@ import torch
 from vocab_parallel import precision
 from vocab_parallel.autograd import guarded_backward, no_autocast, shard_gradients, sum_grad_input
 from vocab_parallel.distributed import all_reduce, all_reduce_async, world_size
+from vocab_parallel.reduction import mean_denominator
 from vocab_parallel.stats import Call, TokenStats, forward_stats, local_targets, reduce_statistics
 
 # Bytes of the fp32 [R, V_local] logits chunk, per device type: 128 MiB keeps CPU GEMMs
@@ -84,10 +87,11 @@ def chunk_rows(
 
 
 class GradInForwardLinearCE(torch.autograd.Function):
-    """``(loss_sum, lse, target_weight)``: the SUM of the per-token losses (a 0-d fp32
-    tensor; float64 for float64 inputs), the per-token ``lse`` ``[BT]`` (0 for ignored
-    tokens) and each token's target class weight (1 without class weights, 0 where
-    ignored; what a mean divides by), gradients computed on the way. ``lse`` and
+    """``(loss, lse, target_weight)``: the sum of the per-token losses, or with
+    ``reduction="mean"`` their mean (a 0-d fp32 tensor;
+    float64 for float64 inputs), the per-token ``lse`` ``[BT]`` (0 for ignored tokens) and
+    each token's target class weight (1 without class weights, 0 where ignored),
+    gradients computed on the way. ``lse`` and
     ``target_weight`` are not differentiable. ``needs``: whether ``hidden``, ``weight``,
     ``bias`` need a gradient (the others cost no GEMM and no memory).
     """
@@ -104,7 +108,15 @@ class GradInForwardLinearCE(torch.autograd.Function):
         accum = precision.accumulate_dtype(hidden.dtype)
         device, group = hidden.device, call.process_group
         world = world_size(group)
-        token_grad = (~ignored).to(accum)  # d loss_sum / d loss_i: 1, 0 where ignored
+        # d loss / d loss_i: 1 (sum) or 1 / count (mean), 0 where ignored. Class weights
+        # (whose mean's denominator is only known after the chunks) and fp16 (whose narrow
+        # range would flush small probabilities / count) form G with 1 and apply the mean's
+        # 1 / denominator to the fp32 results.
+        token_grad = (~ignored).to(accum)
+        mean = call.opts.reduction == "mean"
+        post_scale = mean and (call.class_weight is not None or hidden.dtype == torch.float16)
+        if mean and not post_scale:
+            token_grad = token_grad / mean_denominator(token_grad)
 
         f = dict(dtype=accum, device=device)
         grad_input = torch.empty((bt, h), **f) if needs[0] else None
@@ -155,9 +167,17 @@ class GradInForwardLinearCE(torch.autograd.Function):
             wait()
 
         if call.class_weight is None:
-            per_token["target_weight"] = token_grad.clone()
+            per_token["target_weight"] = (~ignored).to(accum)
         weights = per_token["target_weight"].masked_fill_(ignored, 0.0)
         loss = per_token["loss"].masked_fill_(ignored, 0.0).sum()
+        if mean:
+            denominator = mean_denominator(weights)
+            loss = loss / denominator
+            if post_scale:
+                token_grad = token_grad / denominator
+                for g in (grad_input, grad_weight, grad_bias):
+                    if g is not None:
+                        g.div_(denominator)
         lse = per_token["lse"].masked_fill_(ignored, 0.0)
         ctx.mark_non_differentiable(lse, weights)
         ctx.set_materialize_grads(False)

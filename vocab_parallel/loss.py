@@ -340,7 +340,10 @@ def run_loss(
         losses, lse, weights = VocabParallelLinearCE.apply(h2, weight, bias, t1, call)
     if opts.reduction == "none":
         losses = _sp.own_tokens(losses, slices).reshape(target.shape)
-    out = reduce_losses(losses, weights, opts.reduction, num_items_in_batch)
+    if mode == "grad_in_forward" and opts.reduction == "mean":
+        out = losses  # the mean already (vocab_parallel.grad_in_forward)
+    else:
+        out = reduce_losses(losses, weights, opts.reduction, num_items_in_batch)
     if opts.return_lse:
         return LossOutput(out, _sp.own_tokens(lse, slices).reshape(target.shape))
     return out

@@ -1,9 +1,10 @@
 """The one home of the loss's reduction: per-token losses or their sum, normalised once.
 
-Both autograd Functions hand back the per-token losses (memory-saving and
-high-performance modes) or their sum (gradients-in-forward mode), with each token's
-target class weight (1 without class weights, 0 where ignored). The reduction is applied
-here with ordinary torch ops, so any upstream gradient reaches the Functions exactly
+The memory-saving / high-performance Function hands back the per-token losses, with each
+token's target class weight (1 without class weights, 0 where ignored); the reduction is
+applied here with ordinary torch ops, so any upstream gradient reaches the Function
+exactly. The gradients-in-forward Function returns its scalar already reduced: it must
+know the mean's denominator to form ``G`` (:func:`mean_denominator`, the same one)
 (``docs/design.md``, "Reduction"):
 
     "none"               the per-token losses
@@ -69,5 +70,11 @@ def reduce_losses(
         return divide_by_num_items(total, num_items_in_batch)
     if reduction == "sum":
         return total
-    denominator = target_weight.sum()
-    return total / torch.where(denominator != 0, denominator, torch.ones_like(denominator))
+    return total / mean_denominator(target_weight)
+
+
+def mean_denominator(target_weight: torch.Tensor) -> torch.Tensor:
+    """What a mean divides by: the targets' weights summed (the count of non-ignored
+    tokens without class weights), 1 where that is 0 (an all-ignored batch gives 0)."""
+    total = target_weight.sum()
+    return torch.where(total != 0, total, torch.ones_like(total))

@@ -186,8 +186,7 @@ def forward_stats(
         out = None if logits_out is None else logits_out[:, v0:v1]
         b = None if logits.bias is None else logits.bias[v0:v1]
         with precision.cpu_bf16_math(x.dtype, x.device.type):  # bf16 values: exact
-            raw = linear_logits(x_op, w_op, b, out=out)
-        z = cap_(raw, logits.softcap)
+            z = cap_(linear_logits(x_op, w_op, b, out=out), logits.softcap)
         if inv_t is not None:
             z.mul_(inv_t)
         in_chunk = here & (local_target >= v0) & (local_target < v1)

@@ -5,7 +5,7 @@ Both start from the same torch-native tensor-parallel model: an output projectio
 (the weight a ``Shard(0)`` DTensor), replicated hidden states ``[BT, H]`` and targets
 (5% ignored), mean cross entropy, forward + backward:
 
-    ours_ms        vocab_parallel.dtensor.head_from_colwise(output)(hidden, target),
+    ours_ms        vocab_parallel.integrations.torch_tp.head_from_colwise(output)(hidden, target),
                    mode="memory_saving" (no [BT, V/world] logits kept)
     ours_hp        the same, mode="high_performance" (keeps the fp32 softmax shard)
     loss_parallel  ColwiseParallel(output_layouts=Shard(-1), use_local_output=False): the
@@ -69,7 +69,7 @@ def run_case(case: dict) -> dict:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
-    from vocab_parallel.dtensor import head_from_colwise
+    from vocab_parallel.integrations.torch_tp import head_from_colwise
 
     rank, world = int(os.environ["RANK"]), case["world"]
     device = torch.device(case["device"])

@@ -15,7 +15,8 @@ from ``torch.manual_seed(seed)``, the head weight block by block from seeded gen
 Two more layouts of the head (``docs/parallel_layouts.md``): ``sequence_parallel=True``
 gives the head only this TP rank's slice of the tokens, and ``head="dtensor"`` builds the
 head on the DTensor weight of an ``nn.Linear`` parallelised with ``ColwiseParallel``
-(torch-native tensor parallelism), through :func:`vocab_parallel.dtensor.head_from_colwise`.
+(torch-native tensor parallelism), through
+:func:`vocab_parallel.integrations.torch_tp.head_from_colwise`.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def dtensor_head(
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from vocab_parallel.dtensor import head_from_colwise
+    from vocab_parallel.integrations.torch_tp import head_from_colwise
 
     device = torch.device(device)
     if device.type == "meta":  # --dry-run: no DTensor on meta; the same rows, plain

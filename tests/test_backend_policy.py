@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import vocab_parallel as vp
 from vocab_parallel import autograd as loss_module  # the loss's autograd Function
 from vocab_parallel import precision, torch_backend
-from vocab_parallel.backend import PLAIN, GradTerms, Outputs
+from vocab_parallel.interface import PLAIN, GradTerms, Outputs
 
 BT, H, V = 24, 20, 50  # distinct, so the shape of a product tells which product it is
 

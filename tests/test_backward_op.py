@@ -26,8 +26,8 @@ from vocab_parallel import (
     shard_bounds,
     torch_backend,
 )
-from vocab_parallel.backend import PLAIN, GradTerms, Outputs
 from vocab_parallel.chunking import chunk_columns
+from vocab_parallel.interface import PLAIN, GradTerms, Outputs
 from vocab_parallel.reference import global_statistics
 
 SHAPES = [(37, 33, 129), (1, 1, 1), (64, 16, 260), (9, 70, 3)]

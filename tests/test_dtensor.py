@@ -75,7 +75,7 @@ def _colwise(group):
     from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
     from vocab_parallel import vocab_parallel_linear_cross_entropy
-    from vocab_parallel.dtensor import head_from_colwise
+    from vocab_parallel.integrations.torch_tp import head_from_colwise
 
     world = dist.get_world_size(group)
     mesh = init_device_mesh("cpu", (world,))

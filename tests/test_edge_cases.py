@@ -12,7 +12,7 @@ from multirank import run_ranks
 
 import vocab_parallel as vp
 from vocab_parallel import torch_backend
-from vocab_parallel.backend import Logits
+from vocab_parallel.interface import Logits
 
 MODES = ("auto", "grad_in_forward", "memory_saving", "high_performance")
 

@@ -631,7 +631,8 @@ def _dtensor_runs(group) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from vocab_parallel.dtensor import head_from_colwise, is_dtensor
+    from vocab_parallel.dtensor import is_dtensor
+    from vocab_parallel.integrations.torch_tp import head_from_colwise
 
     rank = dist.get_rank(group)
     mesh = init_device_mesh("cpu", (dist.get_world_size(group),))

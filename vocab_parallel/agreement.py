@@ -89,6 +89,9 @@ def fingerprint(
     temp = opts.temperature
     grad = torch.is_grad_enabled()
     bias = opts.bias
+    # Under sequence parallelism the token exchange checks hidden's size, dtype and
+    # gradient need itself (vocab_parallel.sequence_parallel): 0 here on every rank.
+    sp = 0.0 if opts.sequence_parallel else 1.0
     f = [
         0.0,
         _code(opts.reduction, REDUCTIONS),
@@ -104,11 +107,11 @@ def fingerprint(
         float(opts.class_weight is not None),
         float(isinstance(temp, torch.Tensor)),
         0.0 if isinstance(temp, torch.Tensor) else float(temp),
-        _code(hidden.dtype, _DTYPES),
+        sp * _code(hidden.dtype, _DTYPES),
         _code(weight.dtype, _DTYPES),
-        float(hidden.shape[-1]),
-        float(grad),
-        float(grad and hidden.requires_grad),
+        sp * hidden.shape[-1],
+        sp * grad,
+        sp * (grad and hidden.requires_grad),
         float(grad and weight.requires_grad),
         float(grad and bias is not None and bias.requires_grad),
     ]

@@ -26,8 +26,9 @@ import contextlib
 import torch
 
 from vocab_parallel import precision
-from vocab_parallel.backend import Grads, Outputs, get_backend
+from vocab_parallel.backend import get_backend
 from vocab_parallel.distributed import all_reduce, world_size
+from vocab_parallel.interface import Grads, Outputs
 from vocab_parallel.stats import (
     Call,
     TokenStats,

@@ -1,22 +1,9 @@
-"""The one backend interface, its two value types, and the registry of backends.
+"""The registry of backends: which implementation of ``vocab_parallel.interface.Backend``
+runs a call (``docs/design.md``, "Backends").
 
-A backend computes one vocabulary shard's share of the loss: the local forward statistics
-and the fused backward (``docs/design.md``, "Backends"). Two implement :class:`Backend`:
-``"torch"`` (``vocab_parallel.torch_backend``: chunked PyTorch, the CPU path) and
-``"triton"`` (``vocab_parallel.kernels``: Triton kernels, CUDA or the interpreter). Both
-take their inputs validated, and know nothing of torch.distributed, reductions or modes.
-
-Per row ``i`` and shard column ``j`` (``t_i``: the row's local target column, -1 when its
-target is on another shard or ignored):
-
-    z_ij = cap(x_i @ W_j + b_j) * inv_temperature_i           (:class:`Logits`)
-    G_ij = (p_ij * prob_scale_i - on_target_i [j == t_i] - smooth * class_weight_j)
-           * grad_i * inv_temperature_i * cap'(r_ij)             (:class:`GradTerms`)
-
-with ``p_ij = exp(z_ij - logits_max_i) / sum_exp_i`` (or a saved softmax), ``cap(r) = c
-tanh(r / c)`` for ``softcap`` c (else the identity), ``cap'`` its derivative. ``G`` is
-rounded to the input dtype once; ``grad_input = G @ W``, ``grad_weight = G.T @ x``,
-``grad_bias = G.sum(0)``, accumulated in fp32 (``vocab_parallel.precision``).
+``"torch"`` is ``vocab_parallel.torch_backend`` (chunked PyTorch, the CPU path);
+``"triton"`` is ``vocab_parallel.kernels`` (Triton kernels on CUDA, or under the
+interpreter); ``"auto"`` picks Triton on CUDA. Backends are imported when first asked for.
 """
 
 from __future__ import annotations
@@ -25,120 +12,11 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
 
 import torch
 
+from vocab_parallel.interface import Backend
 from vocab_parallel.options import check_backend_name
-
-
-@dataclass(frozen=True, eq=False)
-class Logits:
-    """How this shard's logits are made from ``x @ W.T``: ``bias`` (``[V]``, input dtype),
-    ``softcap`` (c > 0 or None), ``inv_temperature`` (fp32 ``[BT]`` or None for 1)."""
-
-    bias: torch.Tensor | None = None
-    softcap: float | None = None
-    inv_temperature: torch.Tensor | None = None
-
-
-PLAIN = Logits()
-
-
-@dataclass(frozen=True, eq=False)
-class GradTerms:
-    """The per-row terms of ``G`` (the module docstring) and where its softmax comes from.
-
-    ``grad``: fp32 ``[BT]`` or ``[1]`` upstream gradient of each row's loss.
-    ``on_target``: what the one-hot subtracts, a float or fp32 ``[BT]`` (``1 - eps``, times
-    the target's class weight with class weights). ``smooth``: ``eps / global_vocab_size``.
-    ``prob_scale``: fp32 ``[BT]`` factor of the softmax (None: 1). ``class_weight``: fp32
-    ``[V]`` factor of ``smooth`` per column (None: 1).
-    Softmax source, in order: ``softmax`` (fp32 ``[BT, V]``), else ``logits`` (the saved
-    ``z``, with the statistics), else recomputed ``z`` (with the statistics).
-    ``reuse_logits``: ``G`` may overwrite the saved ``logits``.
-    """
-
-    grad: torch.Tensor
-    on_target: float | torch.Tensor = 1.0
-    smooth: float = 0.0
-    prob_scale: torch.Tensor | None = None
-    class_weight: torch.Tensor | None = None
-    logits_max: torch.Tensor | None = None
-    sum_exp: torch.Tensor | None = None
-    softmax: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    reuse_logits: bool = False
-
-
-@dataclass(frozen=True, eq=False)
-class Outputs:
-    """Which gradients to compute and where to put them.
-
-    ``grad_input_dtype``: of ``grad_input`` (default the input dtype). The caller's buffers
-    (``mode="grad_in_forward"`` walks the tokens in chunks): ``grad_input_out`` receives
-    ``grad_input`` (fp32); ``grad_weight_acc`` and ``grad_bias_acc`` get the products
-    added, or written when ``accumulate`` is False (the first chunk).
-    """
-
-    need_input: bool = True
-    need_weight: bool = True
-    need_bias: bool = False
-    grad_input_dtype: torch.dtype | None = None
-    grad_input_out: torch.Tensor | None = None
-    grad_weight_acc: torch.Tensor | None = None
-    grad_bias_acc: torch.Tensor | None = None
-    accumulate: bool = True
-
-
-class LocalStats(NamedTuple):
-    """A shard's per-row statistics of ``z``, each ``[BT]`` fp32 (float64 for float64)."""
-
-    max: torch.Tensor  # max_j z_ij (-inf for a shard of no columns)
-    sum_exp: torch.Tensor  # sum_j exp(z_ij - max)
-    predicted: torch.Tensor  # z_i[t_i] where the target is here, else 0
-    logit_sum: torch.Tensor  # sum_j class_weight_j z_ij (zeros unless asked for)
-
-
-class Grads(NamedTuple):
-    """A shard's gradients before any all-reduce; None where not asked for."""
-
-    input: torch.Tensor | None
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
-
-
-class Backend(Protocol):
-    """What a backend implements (inputs validated; ``local_target`` int64 ``[BT]``)."""
-
-    name: str
-
-    def forward_stats(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        local_target: torch.Tensor,
-        logits: Logits = PLAIN,
-        *,
-        logits_out: torch.Tensor | None = None,
-        logit_sum: bool = False,
-        class_weight: torch.Tensor | None = None,
-    ) -> LocalStats:
-        """:class:`LocalStats` of ``z``; ``logits_out`` (``[BT, V]``, the statistics' dtype)
-        receives ``z`` when given; the logit sum is weighted by ``class_weight``."""
-        ...
-
-    def fused_backward(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        local_target: torch.Tensor,
-        logits: Logits,
-        terms: GradTerms,
-        out: Outputs,
-    ) -> Grads:
-        """:class:`Grads` of ``G`` (the module docstring)."""
-        ...
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from vocab_parallel import precision
-from vocab_parallel.backend import Grads, Outputs
+from vocab_parallel.interface import Grads, Outputs
 
 # make_g(v0, v1, x_op, w_op) -> G[:, v0:v1], fp32 or x.dtype (rounded by the loop).
 MakeG = Callable[[int, int, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]

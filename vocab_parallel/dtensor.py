@@ -1,4 +1,4 @@
-"""DTensor inputs (``torch.distributed.tensor``: torchtitan, ``parallelize_module``).
+"""DTensor inputs of the loss (``torch.distributed.tensor``: torchtitan, ``parallelize_module``).
 
 With torch-native tensor parallelism the LM head's weight is a DTensor: the full
 ``[V, H]`` tensor, placed ``Shard(0)`` on a 1-D DeviceMesh (the tensor-parallel group).
@@ -20,8 +20,9 @@ With torch-native tensor parallelism the LM head's weight is a DTensor: the full
   ``hidden.grad`` has ``hidden``'s placement.
 - The loss is a plain tensor (the same scalar on every rank for ``"mean"``/``"sum"``).
 
-:func:`head_from_colwise` turns an output projection parallelised with ``ColwiseParallel``
-into a :class:`vocab_parallel.VocabParallelLMHead` on the very same parameter.
+``vocab_parallel.integrations.torch_tp.head_from_colwise`` turns an output projection
+parallelised with ``ColwiseParallel`` into a head on the very same parameter; this module
+holds only what the loss needs to unwrap DTensor inputs.
 
 ``torch.distributed.tensor`` is imported only when a DTensor is in use (it costs about a
 second): the loss calls :func:`unwrap_inputs` only once that module is loaded.
@@ -33,12 +34,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from vocab_parallel.distributed import group_ranks
-from vocab_parallel.lm_head import VocabParallelLMHead
 from vocab_parallel.options import LossOptions
 
 _MODULE = "torch.distributed.tensor"
@@ -216,66 +214,3 @@ def unwrap_inputs(hidden, weight, target, opts: LossOptions, process_group) -> t
                 )
         hidden = _local_hidden(hidden, sequence_parallel)
     return hidden, weight, target, opts.replace(**changes) if changes else opts, process_group
-
-
-class DTensorLMHead(VocabParallelLMHead):
-    """A :class:`VocabParallelLMHead` whose ``weight`` (and ``bias``, if any) is a
-    ``Shard(0)`` DTensor parameter (made by :func:`head_from_colwise`); their gradients are
-    DTensors with that placement."""
-
-    @torch.no_grad()
-    def full_weight(self) -> torch.Tensor:
-        """The whole ``[vocab_size, hidden_size]`` weight (a collective: ``full_tensor()``)."""
-        return self.weight.full_tensor().detach().clone()
-
-    @torch.no_grad()
-    def load_full_weight_(self, weight: torch.Tensor) -> None:
-        """Copy this rank's rows of a full ``[vocab_size, hidden_size]`` weight."""
-        expected = (self.vocab_size, self.hidden_size)
-        if tuple(weight.shape) != expected:
-            raise ValueError(f"weight: expected shape {expected}, got {tuple(weight.shape)}")
-        self.weight.to_local().copy_(weight[self.vocab_start_index : self.vocab_end_index])
-
-
-def head_from_colwise(linear: nn.Linear, **loss_options: Any) -> DTensorLMHead:
-    """Our LM head on the weight of an output projection parallelised with ``ColwiseParallel``.
-
-    ``linear.weight`` must be a ``[V, H]`` DTensor parameter placed ``Shard(0)`` on a 1-D
-    mesh (what ``parallelize_module(model, tp_mesh, {"output": ColwiseParallel()})``
-    makes). The head holds that very parameter (no copy: the optimizer, checkpoints and
-    ``linear`` keep seeing it; its gradient is a ``Shard(0)`` DTensor), and ``linear.bias``
-    the same way if there is one (passed to the loss as its ``bias``). ``loss_options``
-    are the head's (``reduction``, ``mode``, ``sequence_parallel``...). Then
-
-        model.output = head_from_colwise(model.output)
-        loss = model.output(hidden, labels)    # instead of F.cross_entropy(model.output(h), ..)
-
-    The head runs none of ``ColwiseParallel``'s input/output hooks: ``hidden`` may be a
-    plain tensor or a DTensor, as :func:`unwrap_inputs` describes.
-    """
-    weight = getattr(linear, "weight", None)
-    if not is_dtensor(weight) or not isinstance(weight, nn.Parameter):
-        raise TypeError(
-            "linear: expected a module whose weight is a DTensor parameter (an output "
-            f"projection after parallelize_module with ColwiseParallel), got weight of type "
-            f"{type(weight).__name__}"
-        )
-    bias = getattr(linear, "bias", None)
-    if bias is not None:
-        if not is_dtensor(bias) or not isinstance(bias, nn.Parameter):
-            raise TypeError(
-                f"linear: its bias is a {type(bias).__name__}, its weight a DTensor; expected "
-                "both DTensor parameters (ColwiseParallel places both Shard(0))"
-            )
-        if "bias" in loss_options:
-            raise TypeError("bias: set by head_from_colwise from linear.bias, not an option")
-    shard = weight_shard(weight)
-    local = nn.Parameter(weight.to_local().detach(), requires_grad=weight.requires_grad)
-    head = DTensorLMHead.from_shard(
-        local, shard.vocab, shard.start, shard.process_group, **loss_options
-    )
-    del head.weight  # the stand-in (a view of the local shard) makes way for the DTensor
-    head.weight = weight
-    if bias is not None:
-        head.bias = bias  # registered: in parameters() and the state dict, like linear's
-    return head

@@ -66,7 +66,8 @@ import math
 import torch
 
 from vocab_parallel import precision
-from vocab_parallel.backend import GradTerms, Logits, Outputs, get_backend, resolve_backend
+from vocab_parallel.backend import get_backend, resolve_backend
+from vocab_parallel.interface import GradTerms, Logits, Outputs
 from vocab_parallel.mask import unpack_target_mask
 from vocab_parallel.options import (
     check_flag,

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vocab_parallel.backend import GradTerms, LocalStats, Logits
+from vocab_parallel.backend import get_backend
 from vocab_parallel.distributed import all_reduce
+from vocab_parallel.interface import GradTerms, LocalStats, Logits
 from vocab_parallel.layout import ShardLayout
 from vocab_parallel.options import LossOptions
 
@@ -85,8 +86,6 @@ def local_targets(
 
 def forward_stats(call: Call, hidden, weight, bias, local_target, logits_out=None) -> LocalStats:
     """This rank's :class:`LocalStats` of ``hidden`` (the backend of ``call``)."""
-    from vocab_parallel.backend import get_backend
-
     return get_backend(call.backend).forward_stats(
         hidden,
         weight,

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from vocab_parallel import precision
-from vocab_parallel.backend import PLAIN, Grads, GradTerms, LocalStats, Logits, Outputs
 from vocab_parallel.chunking import chunk_columns, gradient_products
+from vocab_parallel.interface import PLAIN, Grads, GradTerms, LocalStats, Logits, Outputs
 
 # Target bytes of one fp32 [BT, CV] chunk of logits.
 CHUNK_BYTES = 64 * 1024 * 1024

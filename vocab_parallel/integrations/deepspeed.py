@@ -47,9 +47,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vocab_parallel.dtensor import is_dtensor
+from vocab_parallel.integrations.heads import AUTOTP_OPTION, head_from_autotp
 from vocab_parallel.lm_head import VocabParallelLMHead
 from vocab_parallel.parallel import ModelParallelUnit, ParallelGroups
+
+# head_from_autotp lives with the other layer adapters (integrations/heads.py); it is part
+# of this integration's API.
+__all__ = ["AUTOTP_OPTION", "head_from_autotp", "init_distributed", "initialize", "check_heads"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -196,94 +200,6 @@ def check_heads(model: nn.Module, groups: ParallelGroups) -> None:
                 f"model.{name or '<root>'}.weight: missing tensor_model_parallel=True "
                 "(gradient clipping would drop the shards of TP ranks > 0 from the norm)"
             )
-
-
-AUTOTP_OPTION = '"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head": true}'
-
-
-def head_from_autotp(layer: nn.Module, **loss_options) -> VocabParallelLMHead:
-    """Our loss head around DeepSpeed AutoTP's vocabulary-parallel LM head, sharing its shard;
-    or around a plain ``nn.Linear`` head (no tensor parallelism).
-
-    DeepSpeed's AutoTP (config ``"tensor_parallel": {"autotp_size": N,
-    "vocab_parallel_lm_head": true}``) replaces a model's ``lm_head`` by
-    ``deepspeed.module_inject.layers.VocabParallelLinear``: it holds rows
-    ``[vocab_start_index, vocab_end_index)`` of the head over ``mp_group`` (uneven,
-    grain-aligned shards: not necessarily our default layout, so the bounds are taken from
-    the layer) and returns rank-local logits. The returned head computes the loss from the
-    hidden states without those logits, on the **same** ``nn.Parameter`` (no second copy
-    of the shard; gradients land in the layer's weight, which DeepSpeed already tags
-    tensor-parallel and checkpoints).
-
-    Any module with ``weight``, ``vocab_size`` (global), ``vocab_start_index``,
-    ``vocab_end_index`` and ``mp_group`` works (duck-typed, so DeepSpeed is not imported).
-    A plain ``nn.Linear`` (TP 1, or a head AutoTP left whole) gives a head over the whole
-    vocabulary without collectives (``process_group=None``), on its weight, which is
-    then left untagged (it counts once in gradient norms, also when tied to an embedding).
-
-    A bias of the layer (this rank's rows) is passed to the loss as its ``bias`` option
-    (the layer's own parameter: its gradient lands there).
-
-    Args:
-        layer: the AutoTP head or an ``nn.Linear``.
-        **loss_options: any option of :class:`VocabParallelLMHead` (``ignore_index``,
-            ``reduction``, ``label_smoothing``, ``mode``, ``backend``...).
-
-    Raises:
-        TypeError: ``layer`` is neither (e.g. AutoTP's column-parallel ``LinearLayer``,
-            which gathers full logits, when ``vocab_parallel_lm_head`` is off); the message
-            names the DeepSpeed option to turn on. Also a layer with a DTensor weight
-            (``ColwiseParallel``): :func:`vocab_parallel.dtensor.head_from_colwise` is its
-            head.
-        ValueError: a weight that does not match the layer's rows, a weight partitioned by
-            ZeRO stage 3, or a bias where the loss takes none.
-    """
-    fields = ("vocab_size", "vocab_start_index", "vocab_end_index", "mp_group")
-    missing = [a for a in ("weight", *fields) if not hasattr(layer, a)]
-    if missing and not isinstance(layer, nn.Linear):
-        what = type(layer).__name__
-        if hasattr(layer, "gather_output"):
-            what += " (DeepSpeed AutoTP's column-parallel head, which gathers full logits)"
-        raise TypeError(
-            f"layer: {what} is not a vocabulary-parallel LM head (it lacks "
-            f"{', '.join(missing)}): turn on {AUTOTP_OPTION} in the DeepSpeed config so that "
-            "AutoTP shards lm_head by vocabulary (VocabParallelLinear), or pass a plain "
-            "nn.Linear head (no tensor parallelism)"
-        )
-    weight, bias = layer.weight, getattr(layer, "bias", None)
-    if is_dtensor(weight) or is_dtensor(bias):
-        # torch-native tensor parallelism: the shard layout is the DTensor's, not rows of
-        # the whole vocabulary (a plain-Linear head here would state the wrong rows)
-        raise TypeError(
-            f"layer: {type(layer).__name__}'s weight is a DTensor (parallelize_module with "
-            "ColwiseParallel); use vocab_parallel.dtensor.head_from_colwise(layer)"
-        )
-    if bias is not None:  # this rank's bias rows, the layer's parameter: passed to the loss
-        if loss_options.get("bias") is not None:
-            raise ValueError("bias: the layer has its own bias; do not pass one")
-        loss_options = loss_options | {"bias": bias}
-    if hasattr(weight, "ds_id"):  # ZeRO-3 keeps only a flat partition in the parameter
-        raise ValueError(
-            "layer.weight: partitioned by DeepSpeed ZeRO stage 3, which the vocabulary-parallel "
-            "head does not support; use ZeRO stage 0, 1 or 2 (with "
-            f"{AUTOTP_OPTION} for tensor parallelism)"
-        )
-    if missing:  # a plain nn.Linear: the whole vocabulary on this rank
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
-            raise ValueError("layer.weight: expected a 2-D parameter [vocab_size, hidden_size]")
-        return VocabParallelLMHead.from_shard(
-            weight, weight.shape[0], 0, process_group=None, **loss_options
-        )
-    start, end = int(layer.vocab_start_index), int(layer.vocab_end_index)
-    if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or weight.shape[0] != end - start:
-        raise ValueError(
-            f"layer.weight: expected a 2-D parameter of {end - start} rows "
-            f"[vocab_start_index, vocab_end_index) = [{start}, {end}), got "
-            f"{tuple(weight.shape)}"
-        )
-    return VocabParallelLMHead.from_shard(
-        weight, int(layer.vocab_size), start, process_group=layer.mp_group, **loss_options
-    )
 
 
 def _ranks(group: dist.ProcessGroup | None) -> list[int]:

@@ -22,10 +22,10 @@ The LM head is whatever ``model.get_output_embeddings()`` is **at each call**:
   of ``lm_head`` with ``"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head":
   true}``: the loss runs on the layer's own shard parameter (no copy) over its
   tensor-parallel group and row range (see
-  :func:`vocab_parallel.integrations.deepspeed.head_from_autotp`);
+  :func:`vocab_parallel.integrations.heads.head_from_autotp`);
 * a ``ColwiseParallel`` projection (torch's ``parallelize_module``: a ``Shard(0)`` DTensor
   weight on a 1-D mesh): the loss runs on that DTensor parameter over the mesh's group and
-  DTensor's rows (:func:`vocab_parallel.dtensor.head_from_colwise`);
+  DTensor's rows (:func:`vocab_parallel.integrations.torch_tp.head_from_colwise`);
 * our own :class:`VocabParallelLMHead` (e.g. ``model.lm_head = head_from_colwise(...)``):
   used as it is, with its own loss options; options given to the adapter make a head with
   those on the same parameters.
@@ -102,8 +102,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vocab_parallel.distributed import all_reduce, group_ranks, world_size
-from vocab_parallel.dtensor import DTensorLMHead, head_from_colwise, is_dtensor
-from vocab_parallel.integrations.deepspeed import head_from_autotp
+from vocab_parallel.dtensor import is_dtensor
+from vocab_parallel.integrations.heads import head_from_layer, layer_group
 from vocab_parallel.lm_head import VocabParallelLMHead, head_options
 
 _STATE = "_vocab_parallel_loss"  # the patch's state in the model's __dict__
@@ -294,51 +294,8 @@ def _current_head(model: nn.Module, patch: _Patch) -> VocabParallelLMHead:
 
 
 def _build_head(layer: nn.Module, patch: _Patch) -> VocabParallelLMHead:
-    """Our head for the output layer, by what the layer is."""
-    if isinstance(layer, VocabParallelLMHead):  # ours (DTensorLMHead too): used as it is
-        return _own_head(layer, patch.given)
-    if is_dtensor(getattr(layer, "weight", None)):  # ColwiseParallel (parallelize_module)
-        return head_from_colwise(layer, **patch.options)
-    return head_from_autotp(layer, **patch.options)  # AutoTP's, or a plain nn.Linear
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False
-    return type(a) is type(b) and a == b
-
-
-def _own_head(layer: VocabParallelLMHead, given: dict[str, Any]) -> VocabParallelLMHead:
-    """The model's own :class:`VocabParallelLMHead`: as it is, with its own options, unless
-    ``apply_vocab_parallel_loss`` was given other values (then a head with those, on the
-    very same parameters: nothing is copied, the layer is not changed)."""
-    own = {k: v for k, v in layer.loss_options.items() if k != "bias"}
-    if all(k in own and _same(own[k], v) for k, v in given.items()):
-        return layer
-    options = own | dict(given)
-    if isinstance(layer, DTensorLMHead):  # its weight and bias are DTensor parameters
-        return head_from_colwise(layer, **options)
-    bias = layer.bias if layer.bias is not None else layer.loss_options.get("bias")
-    if bias is not None:
-        options["bias"] = bias
-    return VocabParallelLMHead.from_shard(
-        layer.weight, layer.vocab_size, layer.vocab_start_index, layer.process_group, **options
-    )
-
-
-def _layer_group(layer: nn.Module) -> dist.ProcessGroup | None:
-    """The tensor-parallel group the output layer is sharded over, as far as it can be told
-    without validating the layer (``None``: none, or not known)."""
-    if isinstance(layer, VocabParallelLMHead):
-        return layer.process_group
-    weight = getattr(layer, "weight", None)
-    if is_dtensor(weight):
-        mesh = weight.device_mesh
-        return mesh.get_group() if mesh.ndim == 1 else None
-    group = getattr(layer, "mp_group", None)
-    return group if isinstance(group, dist.ProcessGroup) else None
+    """Our head for the output layer (``vocab_parallel.integrations.heads``)."""
+    return head_from_layer(layer, **patch.given)
 
 
 _ERRORS = {e.__name__: e for e in (TypeError, ValueError, NotImplementedError)}
@@ -354,7 +311,7 @@ def _build_head_on_every_rank(layer: nn.Module, patch: _Patch) -> VocabParallelL
     the output layer changes, on every rank alike) and every rank raises the failing
     rank's error.
     """
-    group = _layer_group(layer)
+    group = layer_group(layer)
     try:
         head, failure = _build_head(layer, patch), None
     except tuple(_ERRORS.values()) as exc:

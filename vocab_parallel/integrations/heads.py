@@ -1,0 +1,165 @@
+"""From any LM head layer to our head: the one adapter the integrations share.
+
+The DeepSpeed and Hugging Face integrations (and users) meet the output layer in several
+forms: a plain ``nn.Linear`` (no tensor parallelism), DeepSpeed AutoTP's
+``VocabParallelLinear`` (rows of the vocabulary over ``mp_group``), a ``ColwiseParallel``
+projection (a ``Shard(0)`` DTensor weight), or our own :class:`VocabParallelLMHead`.
+:func:`head_from_layer` turns each into our head on the very same parameters, so the
+optimizer, checkpoints and the layer keep seeing them. Nothing here imports DeepSpeed or
+transformers (duck-typed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vocab_parallel.dtensor import is_dtensor
+from vocab_parallel.integrations.torch_tp import DTensorLMHead, head_from_colwise
+from vocab_parallel.lm_head import VocabParallelLMHead
+
+
+def head_from_layer(layer: nn.Module, **loss_options: Any) -> VocabParallelLMHead:
+    """Our head for an LM head ``layer`` of any kind, on its very parameters (no copy):
+
+    - our own :class:`VocabParallelLMHead` (a :class:`DTensorLMHead` too): as it is, with its
+      own options, unless ``loss_options`` asks for others (then a head with those);
+    - a ``ColwiseParallel`` projection (DTensor weight): :func:`head_from_colwise`;
+    - DeepSpeed AutoTP's ``VocabParallelLinear``, or a plain ``nn.Linear`` (one shard):
+      :func:`head_from_autotp`.
+    """
+    if isinstance(layer, VocabParallelLMHead):  # ours (DTensorLMHead too): used as it is
+        return _own_head(layer, loss_options)
+    if is_dtensor(getattr(layer, "weight", None)):  # ColwiseParallel (parallelize_module)
+        return head_from_colwise(layer, **loss_options)
+    return head_from_autotp(layer, **loss_options)  # AutoTP's, or a plain nn.Linear
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return type(a) is type(b) and a == b
+
+
+def _own_head(layer: VocabParallelLMHead, given: dict[str, Any]) -> VocabParallelLMHead:
+    """The model's own :class:`VocabParallelLMHead`: as it is, with its own options, unless
+    ``apply_vocab_parallel_loss`` was given other values (then a head with those, on the
+    very same parameters: nothing is copied, the layer is not changed)."""
+    own = {k: v for k, v in layer.loss_options.items() if k != "bias"}
+    if all(k in own and _same(own[k], v) for k, v in given.items()):
+        return layer
+    options = own | dict(given)
+    if isinstance(layer, DTensorLMHead):  # its weight and bias are DTensor parameters
+        return head_from_colwise(layer, **options)
+    bias = layer.bias if layer.bias is not None else layer.loss_options.get("bias")
+    if bias is not None:
+        options["bias"] = bias
+    return VocabParallelLMHead.from_shard(
+        layer.weight, layer.vocab_size, layer.vocab_start_index, layer.process_group, **options
+    )
+
+
+def layer_group(layer: nn.Module) -> dist.ProcessGroup | None:
+    """The tensor-parallel group the output layer is sharded over, as far as it can be told
+    without validating the layer (``None``: none, or not known)."""
+    if isinstance(layer, VocabParallelLMHead):
+        return layer.process_group
+    weight = getattr(layer, "weight", None)
+    if is_dtensor(weight):
+        mesh = weight.device_mesh
+        return mesh.get_group() if mesh.ndim == 1 else None
+    group = getattr(layer, "mp_group", None)
+    return group if isinstance(group, dist.ProcessGroup) else None
+
+
+AUTOTP_OPTION = '"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head": true}'
+
+
+def head_from_autotp(layer: nn.Module, **loss_options) -> VocabParallelLMHead:
+    """Our loss head around DeepSpeed AutoTP's vocabulary-parallel LM head, sharing its shard;
+    or around a plain ``nn.Linear`` head (no tensor parallelism).
+
+    DeepSpeed's AutoTP (config ``"tensor_parallel": {"autotp_size": N,
+    "vocab_parallel_lm_head": true}``) replaces a model's ``lm_head`` by
+    ``deepspeed.module_inject.layers.VocabParallelLinear``: it holds rows
+    ``[vocab_start_index, vocab_end_index)`` of the head over ``mp_group`` (uneven,
+    grain-aligned shards: not necessarily our default layout, so the bounds are taken from
+    the layer) and returns rank-local logits. The returned head computes the loss from the
+    hidden states without those logits, on the **same** ``nn.Parameter`` (no second copy
+    of the shard; gradients land in the layer's weight, which DeepSpeed already tags
+    tensor-parallel and checkpoints).
+
+    Any module with ``weight``, ``vocab_size`` (global), ``vocab_start_index``,
+    ``vocab_end_index`` and ``mp_group`` works (duck-typed, so DeepSpeed is not imported).
+    A plain ``nn.Linear`` (TP 1, or a head AutoTP left whole) gives a head over the whole
+    vocabulary without collectives (``process_group=None``), on its weight, which is
+    then left untagged (it counts once in gradient norms, also when tied to an embedding).
+
+    A bias of the layer (this rank's rows) is passed to the loss as its ``bias`` option
+    (the layer's own parameter: its gradient lands there).
+
+    Args:
+        layer: the AutoTP head or an ``nn.Linear``.
+        **loss_options: any option of :class:`VocabParallelLMHead` (``ignore_index``,
+            ``reduction``, ``label_smoothing``, ``mode``, ``backend``...).
+
+    Raises:
+        TypeError: ``layer`` is neither (e.g. AutoTP's column-parallel ``LinearLayer``,
+            which gathers full logits, when ``vocab_parallel_lm_head`` is off); the message
+            names the DeepSpeed option to turn on. Also a layer with a DTensor weight
+            (``ColwiseParallel``): :func:`head_from_colwise` is its
+            head.
+        ValueError: a weight that does not match the layer's rows, a weight partitioned by
+            ZeRO stage 3, or a bias where the loss takes none.
+    """
+    fields = ("vocab_size", "vocab_start_index", "vocab_end_index", "mp_group")
+    missing = [a for a in ("weight", *fields) if not hasattr(layer, a)]
+    if missing and not isinstance(layer, nn.Linear):
+        what = type(layer).__name__
+        if hasattr(layer, "gather_output"):
+            what += " (DeepSpeed AutoTP's column-parallel head, which gathers full logits)"
+        raise TypeError(
+            f"layer: {what} is not a vocabulary-parallel LM head (it lacks "
+            f"{', '.join(missing)}): turn on {AUTOTP_OPTION} in the DeepSpeed config so that "
+            "AutoTP shards lm_head by vocabulary (VocabParallelLinear), or pass a plain "
+            "nn.Linear head (no tensor parallelism)"
+        )
+    weight, bias = layer.weight, getattr(layer, "bias", None)
+    if is_dtensor(weight) or is_dtensor(bias):
+        # torch-native tensor parallelism: the shard layout is the DTensor's, not rows of
+        # the whole vocabulary (a plain-Linear head here would state the wrong rows)
+        raise TypeError(
+            f"layer: {type(layer).__name__}'s weight is a DTensor (parallelize_module with "
+            "ColwiseParallel); use vocab_parallel.integrations.torch_tp.head_from_colwise(layer)"
+        )
+    if bias is not None:  # this rank's bias rows, the layer's parameter: passed to the loss
+        if loss_options.get("bias") is not None:
+            raise ValueError("bias: the layer has its own bias; do not pass one")
+        loss_options = loss_options | {"bias": bias}
+    if hasattr(weight, "ds_id"):  # ZeRO-3 keeps only a flat partition in the parameter
+        raise ValueError(
+            "layer.weight: partitioned by DeepSpeed ZeRO stage 3, which the vocabulary-parallel "
+            "head does not support; use ZeRO stage 0, 1 or 2 (with "
+            f"{AUTOTP_OPTION} for tensor parallelism)"
+        )
+    if missing:  # a plain nn.Linear: the whole vocabulary on this rank
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            raise ValueError("layer.weight: expected a 2-D parameter [vocab_size, hidden_size]")
+        return VocabParallelLMHead.from_shard(
+            weight, weight.shape[0], 0, process_group=None, **loss_options
+        )
+    start, end = int(layer.vocab_start_index), int(layer.vocab_end_index)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or weight.shape[0] != end - start:
+        raise ValueError(
+            f"layer.weight: expected a 2-D parameter of {end - start} rows "
+            f"[vocab_start_index, vocab_end_index) = [{start}, {end}), got "
+            f"{tuple(weight.shape)}"
+        )
+    return VocabParallelLMHead.from_shard(
+        weight, int(layer.vocab_size), start, process_group=layer.mp_group, **loss_options
+    )

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vocab_parallel.backend import Grads, GradTerms, Logits, Outputs
 from vocab_parallel.chunking import gradient_products
+from vocab_parallel.interface import Grads, GradTerms, Logits, Outputs
 from vocab_parallel.kernels.common import (
     TileConfig,
     device_capability,

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vocab_parallel.backend import PLAIN, LocalStats, Logits
+from vocab_parallel.interface import PLAIN, LocalStats, Logits
 from vocab_parallel.kernels.common import (
     TileConfig,
     device_capability,

@@ -33,6 +33,8 @@ operator validates, this launcher allocates and launches.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -78,9 +80,9 @@ def _logits_grad_kernel(
     max_ptr,  # [BT] fp32 global logits max (not read when HAS_SOFTMAX)
     sumexp_ptr,  # [BT] fp32 global sum of exp(logits - max) (not read when HAS_SOFTMAX)
     pscale_ptr,  # [BT] or [1] fp32 factor of the softmax: 1 + 2 * z_loss * lse
-    ontarget_ptr,  # [BT] or [1] fp32 what the one-hot subtracts (1 - label_smoothing)
-    cw_ptr,  # [V] or [1] fp32 class weight of each column, factor of smooth_all
-    invt_ptr,  # [BT] or [1] fp32 inverse temperature of each row (z = cap(r) * invt)
+    ontarget_ptr,  # [BT] fp32 what each row's one-hot subtracts (SCALED; else on_target)
+    cw_ptr,  # [V] fp32 class weight of each shard column, factor of smooth_all (SCALED)
+    invt_ptr,  # [BT] fp32 inverse temperature of each row, z = cap(r) * invt (SCALED)
     g_ptr,  # [BT, CV] output chunk of G, input dtype
     # Sizes
     BT,
@@ -96,12 +98,10 @@ def _logits_grad_kernel(
     stride_sn,
     stride_grad,  # 0 broadcasts a single upstream gradient
     stride_ps,  # 0 broadcasts a single factor (1.0 without z-loss)
-    stride_ot,  # 0 broadcasts one on-target amount
-    stride_cw,  # 0 broadcasts one class weight (1.0 without class weights)
-    stride_it,  # 0 broadcasts one inverse temperature (1.0 without a temperature)
     stride_gm,
     stride_gn,
-    # Scalar of the target distribution q = on_target * onehot + smooth_all * cw
+    # Scalars of the target distribution q = on_target * onehot + smooth_all (* cw)
+    on_target,  # 1 - label_smoothing (the same for every row unless SCALED)
     smooth_all,  # label_smoothing / global_vocab_size
     softcap,  # c of z = c * tanh(r / c) (only read when SOFTCAP)
     # Meta-parameters
@@ -109,6 +109,7 @@ def _logits_grad_kernel(
     HAS_LOGITS: tl.constexpr,  # saved_ptr holds the capped logits z (and not HAS_SOFTMAX)
     HAS_BIAS: tl.constexpr,  # recomputed logits get bias[cols]
     SOFTCAP: tl.constexpr,  # z = softcap * tanh(r / softcap); G gets 1 - tanh^2
+    SCALED: tl.constexpr,  # per-row temperature and on-target amount, per-column weights
     DOT_FP32: tl.constexpr,  # cast operands to fp32 before tl.dot (fp32 inputs, interpreter)
     ROUND_BF16: tl.constexpr,  # round G to bf16 by hand (interpreter truncates)
     BLOCK_M: tl.constexpr,
@@ -124,7 +125,8 @@ def _logits_grad_kernel(
     col_ok = cols < n_cols
     tile_ok = row_ok[:, None] & col_ok[None, :]
     vcols = v_start + cols  # columns within the shard
-    inv_t = tl.load(invt_ptr + rows * stride_it, mask=row_ok, other=1.0)
+    if SCALED:
+        inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=1.0)
 
     if HAS_SOFTMAX:
         prob = tl.load(
@@ -139,8 +141,11 @@ def _logits_grad_kernel(
                 mask=tile_ok,
                 other=0.0,
             ).to(tl.float32)
-            if SOFTCAP:  # z = c * tanh(r / c) * invt: tanh from z
-                t = z * (1.0 / (softcap * inv_t))[:, None]
+            if SOFTCAP:  # z = c * tanh(r / c) (* invt): tanh from z
+                if SCALED:  # noqa: SIM108 (a constexpr branch: one side is compiled)
+                    t = z * (1.0 / (softcap * inv_t))[:, None]
+                else:
+                    t = z * (1.0 / softcap)
         else:
             z = logits_tile(
                 x_ptr, w_ptr, b_ptr, rows, vcols, row_ok, col_ok,
@@ -150,7 +155,8 @@ def _logits_grad_kernel(
             if SOFTCAP:  # exactly the forward's z (kernels.forward)
                 t = tanh(z * (1.0 / softcap))
                 z = t * softcap
-            z = z * inv_t[:, None]  # the temperature (exact for 1.0)
+            if SCALED:  # the temperature
+                z = z * inv_t[:, None]
         row_max = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
         row_sum = tl.load(sumexp_ptr + rows, mask=row_ok, other=1.0)
         prob = tl.exp(z - row_max[:, None]) / row_sum[:, None]
@@ -160,13 +166,16 @@ def _logits_grad_kernel(
 
     # One-hot of the local target (-1, never a column, where the target is elsewhere).
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
-    on_target = tl.load(ontarget_ptr + rows * stride_ot, mask=row_ok, other=0.0)
-    onehot = tl.where(vcols[None, :] == target[:, None], on_target[:, None], 0.0)
-    cw = tl.load(cw_ptr + vcols * stride_cw, mask=col_ok, other=0.0)
-
-    # d z / d cap(r) = 1 / T: the inverse temperature joins the upstream gradient.
-    upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0) * inv_t
-    g = (prob - smooth_all * cw[None, :] - onehot) * upstream[:, None]
+    upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
+    if SCALED:
+        hot = tl.load(ontarget_ptr + rows, mask=row_ok, other=0.0)
+        onehot = tl.where(vcols[None, :] == target[:, None], hot[:, None], 0.0)
+        cw = tl.load(cw_ptr + vcols, mask=col_ok, other=0.0)
+        upstream = upstream * inv_t  # d z / d cap(r) = 1 / T
+        g = (prob - smooth_all * cw[None, :] - onehot) * upstream[:, None]
+    else:
+        onehot = tl.where(vcols[None, :] == target[:, None], on_target, 0.0)
+        g = (prob - smooth_all - onehot) * upstream[:, None]
     if SOFTCAP:  # through the cap: dz/dr = 1 - tanh(r / c)^2
         g = g * (1.0 - t * t)
     if ROUND_BF16:
@@ -182,13 +191,25 @@ def _logits_grad_kernel(
 SOURCES = ("recompute", "softmax", "logits")
 
 
-def _meta(dtype: torch.dtype, source: str, has_bias: bool, softcap: bool, tile: TileConfig) -> dict:
+def _full(t: torch.Tensor | float | None, n: int, device) -> torch.Tensor:
+    """An fp32 contiguous ``[n]`` vector: ``t`` (of ``n`` values, or one broadcast), or
+    ones for None."""
+    if t is None:
+        return torch.ones(n, dtype=torch.float32, device=device)
+    t = torch.as_tensor(t, dtype=torch.float32, device=device)
+    return t.reshape(-1).expand(n).contiguous()
+
+
+def _meta(
+    dtype: torch.dtype, source: str, has_bias: bool, softcap: bool, scaled: bool, tile: TileConfig
+) -> dict:
     """Constexprs and launch options of one launch (shared with :func:`launch_variants`)."""
     return dict(
         HAS_SOFTMAX=source == "softmax",
         HAS_LOGITS=source == "logits",
         HAS_BIAS=has_bias,
         SOFTCAP=softcap,
+        SCALED=scaled,
         DOT_FP32=dot_in_fp32(dtype),
         ROUND_BF16=interpreting() and dtype == torch.bfloat16,
         **tile.meta(),
@@ -215,11 +236,11 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
     choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
     for source in SOURCES:
-        for has_bias, softcap in _flags(source):
+        for (has_bias, softcap), scaled in itertools.product(_flags(source), (False, True)):
             for dtype in (torch.float16, torch.bfloat16, torch.float32):
-                heavy = has_bias or softcap
+                heavy = has_bias or softcap or scaled
                 for tile in tile_configs(_kernel_name(source), dtype, capability, heavy):
-                    meta = _meta(dtype, source, has_bias, softcap, tile)
+                    meta = _meta(dtype, source, has_bias, softcap, scaled, tile)
                     variants.append((_logits_grad_kernel, dtype, meta))
     return variants
 
@@ -255,9 +276,13 @@ def fused_backward(
     )
     has_bias = logits.bias is not None and source == "recompute"
     capability = device_capability(x.device)
-    heavy = has_bias or softcap is not None  # see tile_config
+    # A temperature, per-row on-target amounts or class weights: the SCALED variant; the
+    # plain one takes on_target as a scalar.
+    per_row_hot = isinstance(terms.on_target, torch.Tensor)
+    scaled = logits.inv_temperature is not None or per_row_hot or terms.class_weight is not None
+    heavy = has_bias or softcap is not None or scaled  # see tile_config
     tile = tile_config(_kernel_name(source), x.dtype, capability, bt, heavy)
-    meta = _meta(x.dtype, source, has_bias, softcap is not None, tile)
+    meta = _meta(x.dtype, source, has_bias, softcap is not None, scaled, tile)
     target = local_target.contiguous()
     grad = terms.grad.float().contiguous()
     dummy = grad  # stands in for pointers the chosen mode never reads
@@ -267,21 +292,18 @@ def fused_backward(
     b = logits.bias.contiguous() if has_bias else x
     s_strides = (0, 0) if saved is dummy else (saved.stride(0), saved.stride(1))
 
-    def vector(t, n: int) -> tuple[torch.Tensor, int]:
-        """An fp32 per-row (n = BT) or per-column (n = V) term and its stride (0: one value
-        for all; None and floats become one value)."""
-        if not isinstance(t, torch.Tensor):
-            t = torch.full(
-                (1,), 1.0 if t is None else float(t), dtype=torch.float32, device=x.device
-            )
-        t = t.to(torch.float32).reshape(-1).contiguous()
-        return t, (1 if t.shape[0] == n and n > 1 else 0)
-
-    prob_scale, stride_ps = vector(terms.prob_scale, bt)
-    on_target, stride_ot = vector(terms.on_target, bt)
-    cw, stride_cw = vector(terms.class_weight, v)
-    inv_t, stride_it = vector(logits.inv_temperature, bt)
-    stride_grad = 1 if grad.shape[0] == bt and bt > 1 else 0
+    prob_scale = terms.prob_scale
+    if prob_scale is None:  # one factor 1.0 for every row
+        prob_scale = torch.ones(1, dtype=torch.float32, device=x.device)
+    prob_scale = prob_scale.to(torch.float32).contiguous()
+    stride_ps = prob_scale.stride(0) if prob_scale.shape[0] == bt else 0
+    stride_grad = grad.stride(0) if grad.shape[0] == bt else 0
+    hot = inv_t = cw = dummy  # the SCALED variant's vectors, in full
+    if scaled:
+        hot = _full(terms.on_target if per_row_hot else float(terms.on_target), bt, x.device)
+        inv_t = _full(logits.inv_temperature, bt, x.device)
+        cw = _full(terms.class_weight, v, x.device)
+    on_target = 1.0 if per_row_hot else float(terms.on_target)
     cap = 1.0 if softcap is None else float(softcap)
     cv = chunk_columns(bt, v, x.element_size(), chunk_bytes, h)
     g_buf = None
@@ -294,12 +316,11 @@ def fused_backward(
         g = g_buf[:, :n]
         grid = (triton.cdiv(bt, tile.BLOCK_M), triton.cdiv(n, tile.BLOCK_N))
         _logits_grad_kernel[grid](
-            x, weight, b, saved, grad, target, lmax, lsum, prob_scale, on_target, cw, inv_t, g,
+            x, weight, b, saved, grad, target, lmax, lsum, prob_scale, hot, cw, inv_t, g,
             bt, h, v0, n,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            s_strides[0], s_strides[1], stride_grad, stride_ps, stride_ot, stride_cw,
-            stride_it, g.stride(0), g.stride(1),
-            float(terms.smooth), cap,
+            s_strides[0], s_strides[1], stride_grad, stride_ps, g.stride(0), g.stride(1),
+            on_target, float(terms.smooth), cap,
             **meta,
         )  # fmt: skip
         return g

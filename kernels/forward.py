@@ -46,8 +46,8 @@ def _forward_stats_kernel(
     w_ptr,  # [V, H] weight rows of this shard
     target_ptr,  # [BT] int64 local target column, -1 where not on this shard
     b_ptr,  # [V] bias of this shard's rows, input dtype (only read when HAS_BIAS)
-    invt_ptr,  # [BT] or [1] fp32 inverse temperature of each row (z = cap(r) * invt)
-    cw_ptr,  # [V] or [1] fp32 class weights of the logit sum (read when LOGIT_SUM)
+    invt_ptr,  # [BT] fp32 inverse temperature of each row, z = cap(r) * invt (SCALED)
+    cw_ptr,  # [V] fp32 class weights of the logit sum (read when SCALED and LOGIT_SUM)
     logits_ptr,  # [BT, V] fp32 (capped) logits out (only written when STORE_LOGITS)
     max_ptr,  # [S, BT] fp32 partial max per split
     sum_ptr,  # [S, BT] fp32 partial sum of exp(logit - partial max)
@@ -65,8 +65,6 @@ def _forward_stats_kernel(
     stride_wk,
     stride_lm,
     stride_ln,
-    stride_it,  # 0 broadcasts one inverse temperature
-    stride_cw,  # 0 broadcasts one class weight (1.0: the plain logit sum)
     # Scalars
     softcap,  # c of z = c * tanh(r / c) (only read when SOFTCAP)
     # Meta-parameters
@@ -74,6 +72,7 @@ def _forward_stats_kernel(
     LOGIT_SUM: tl.constexpr,  # compute logit_sum (label smoothing only), else leave it 0
     HAS_BIAS: tl.constexpr,  # add bias[cols] to the logits
     SOFTCAP: tl.constexpr,  # cap the logits: softcap * tanh(logits / softcap)
+    SCALED: tl.constexpr,  # per-row inverse temperature and per-column class weights
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -85,7 +84,8 @@ def _forward_stats_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < BT
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
-    inv_t = tl.load(invt_ptr + rows * stride_it, mask=row_ok, other=1.0)
+    if SCALED:
+        inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=1.0)
 
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -104,7 +104,8 @@ def _forward_stats_kernel(
         )  # fmt: skip
         if SOFTCAP:  # (the backward recomputes exactly this: tanh(r * inv) * softcap)
             acc = tanh(acc * inv_softcap) * softcap
-        acc = acc * inv_t[:, None]  # the temperature (exact for 1.0)
+        if SCALED:  # the temperature
+            acc = acc * inv_t[:, None]
         if STORE_LOGITS:
             tl.store(
                 logits_ptr + rows[:, None] * stride_lm + cols.to(tl.int64)[None, :] * stride_ln,
@@ -122,8 +123,11 @@ def _forward_stats_kernel(
         run_max = new_max
         pred += tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
         if LOGIT_SUM:
-            cw = tl.load(cw_ptr + cols * stride_cw, mask=col_ok, other=0.0)
-            lsum += tl.sum(tl.where(col_ok[None, :], acc * cw[None, :], 0.0), axis=1)
+            if SCALED:  # weighted by the class weights
+                cw = tl.load(cw_ptr + cols, mask=col_ok, other=0.0)
+                lsum += tl.sum(tl.where(col_ok[None, :], acc * cw[None, :], 0.0), axis=1)
+            else:
+                lsum += tl.sum(tl.where(col_ok[None, :], acc, 0.0), axis=1)
 
     out = pid_s * BT + rows
     tl.store(max_ptr + out, run_max, mask=row_ok)
@@ -146,12 +150,21 @@ def _num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
     return max(1, min(n_tiles, triton.cdiv(programs, n_row_blocks)))
 
 
+def _full(t: torch.Tensor | None, n: int, device) -> torch.Tensor:
+    """An fp32 contiguous ``[n]`` vector: ``t`` (of ``n`` values, or one broadcast), or
+    ones for None."""
+    if t is None:
+        return torch.ones(n, dtype=torch.float32, device=device)
+    return t.to(torch.float32).reshape(-1).expand(n).contiguous()
+
+
 def _meta(
     dtype: torch.dtype,
     store_logits: bool,
     logit_sum: bool,
     has_bias: bool,
     softcap: bool,
+    scaled: bool,
     tile: TileConfig,
 ) -> dict:
     """Constexprs and launch options of one launch (shared with :func:`launch_variants`)."""
@@ -160,6 +173,7 @@ def _meta(
         LOGIT_SUM=logit_sum,
         HAS_BIAS=has_bias,
         SOFTCAP=softcap,
+        SCALED=scaled,
         DOT_FP32=dot_in_fp32(dtype),
         **tile.meta(),
     )
@@ -169,11 +183,11 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
     """Every ``(kernel, input dtype, constexprs and launch options)`` this launcher can
     choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
-    flags = itertools.product((False, True), repeat=4)  # store, logit sum, bias, softcap
-    for store, logit_sum, has_bias, softcap in flags:
+    flags = itertools.product((False, True), repeat=5)  # store, logit sum, bias, cap, scaled
+    for store, logit_sum, has_bias, softcap, scaled in flags:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for tile in tile_configs("forward_stats", dtype, capability):
-                meta = _meta(dtype, store, logit_sum, has_bias, softcap, tile)
+                meta = _meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile)
                 variants.append((_forward_stats_kernel, dtype, meta))
     return variants
 
@@ -217,19 +231,20 @@ def forward_stats(
     out = logits_out if store else part
     bias, softcap = logits.bias, logits.softcap
     has_bias = bias is not None
-    one = torch.ones(1, **f32)  # broadcast (stride 0) for a missing per-row / column term
-    inv_t = one if logits.inv_temperature is None else logits.inv_temperature.float()
-    inv_t = inv_t.contiguous()
-    cw = one if class_weight is None else class_weight.float().contiguous()
+    # A temperature or class weights: the SCALED variant, with both vectors in full.
+    scaled = logits.inv_temperature is not None or class_weight is not None
+    inv_t = cw = part  # stand-ins for pointers the plain variant never reads
+    if scaled:
+        inv_t = _full(logits.inv_temperature, bt, x.device)
+        cw = _full(class_weight, v, x.device)
     _forward_stats_kernel[(n_row_blocks, splits)](
         x, weight, local_target.contiguous(), bias.contiguous() if has_bias else x, inv_t, cw,
         out, part[0], part[1], part[2], part[3],
         bt, h, v, tiles_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0) if store else 0, out.stride(1) if store else 0,
-        1 if inv_t.shape[0] == bt and bt > 1 else 0, 1 if cw.shape[0] == v and v > 1 else 0,
         1.0 if softcap is None else float(softcap),
-        **_meta(x.dtype, store, logit_sum, has_bias, softcap is not None, tile),
+        **_meta(x.dtype, store, logit_sum, has_bias, softcap is not None, scaled, tile),
     )  # fmt: skip
     p_max, p_sum, p_pred, p_lsum = part
     row_max = p_max.max(dim=0).values

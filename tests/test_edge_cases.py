@@ -141,3 +141,34 @@ def test_the_original_formula_order_at_overflow(backend):
     assert torch.equal(~torch.isfinite(gi).all(1), ~torch.isfinite(want_gi).all(1))
     assert torch.equal(~torch.isfinite(gw).all(1), ~torch.isfinite(want_gw).all(1))
     assert (~torch.isfinite(gi)).any()  # the case overflows at all
+
+
+def _fullgraph(group, check_inputs):
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    w_full = torch.randn(40, 16)
+    y = torch.randint(0, 40, (8,))
+    lo, hi = vp.shard_bounds(40, 2)[group.rank()]
+
+    def loss(x, w, y):
+        return vp.vocab_parallel_linear_cross_entropy(
+            x, w, y, process_group=group, check_inputs=check_inputs,
+            vocab_start_index=lo, global_vocab_size=40,
+        )  # fmt: skip
+
+    try:
+        got = torch.compile(loss, fullgraph=True)(x, w_full[lo:hi], y)
+    except Exception as exc:  # what fullgraph reports, compared by the test
+        return str(exc)
+    want = F.cross_entropy(x.double() @ w_full.double().T, y)
+    return abs(float(got) - float(want))
+
+
+@pytest.mark.slow
+def test_fullgraph_compile_under_tensor_parallelism():
+    """check_inputs=True: a refusal that says what to do (the agreement reads its result on
+    the host); check_inputs=False: the whole loss in one graph, equal to the unsharded."""
+    refused = run_ranks(_fullgraph, 2, True, timeout=300)
+    assert all(isinstance(m, str) and "check_inputs=False" in m for m in refused), refused
+    errors = run_ranks(_fullgraph, 2, False, timeout=300)
+    assert all(isinstance(e, float) and e < 1e-5 for e in errors), errors

@@ -158,7 +158,7 @@ class GradInForwardLinearCE(torch.autograd.Function):
             )
             if world > 1 and needs[0]:
                 rows_gi = grad_input[r0:r1]
-                if OVERLAP:
+                if OVERLAP and not torch.compiler.is_compiling():  # dynamo: no async_op
                     waits.append(all_reduce_async(rows_gi, "SUM", group, "grad_input"))
                 else:
                     all_reduce(rows_gi, "SUM", group, "grad_input")

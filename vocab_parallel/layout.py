@@ -63,6 +63,7 @@ def resolve_layout(
     device: torch.device,
     *,
     recheck: bool = False,
+    trust: bool = False,
 ) -> ShardLayout:
     """This rank's :class:`ShardLayout`, checked against the other ranks of the group.
 
@@ -71,6 +72,10 @@ def resolve_layout(
     then found by one small collective at every call; when both are given (an LM head
     knows them) the collective runs once per layout and token count, or at every call
     with ``recheck`` (cheap on CPU, where every collective waits anyway).
+
+    ``trust``: a stated layout (both given) is taken as it is, without any collective
+    (``check_inputs=False``: what ``torch.compile(fullgraph=True)`` under tensor
+    parallelism needs, since the exchange reads its result on the host).
 
     Raises ``ValueError`` on every rank alike when shards overlap, leave a gap, do not add
     up to ``global_vocab_size``, or ranks pass different numbers of tokens.
@@ -94,7 +99,7 @@ def resolve_layout(
 
     known = vocab_start_index is not None and global_vocab_size is not None
     key = (id(process_group), vocab_start_index, v_local, global_vocab_size, tokens)
-    if known and not recheck and key in _CHECKED:
+    if known and ((not recheck and key in _CHECKED) or trust):
         return ShardLayout(vocab_start_index, v_local, global_vocab_size)
 
     # One row per rank: (start given, start, size, global size given, global size, tokens).

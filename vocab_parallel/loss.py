@@ -247,6 +247,23 @@ def _inverse_temperature(opts: LossOptions, tokens: torch.Tensor, dtype, check: 
     return temp.reciprocal()
 
 
+def _not_traceable(fn):
+    """``fn`` kept out of ``torch.compile`` graphs, with the reason ``fullgraph=True``
+    reports: the agreement of the ranks reads its collective's result on the host."""
+    reason = (
+        "vocab_parallel: the ranks' agreement check (check_inputs=True under tensor "
+        "parallelism) reads its collective's result on the host and cannot be traced; "
+        "pass check_inputs=False to compile the loss with fullgraph=True"
+    )
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # a torch without the reason argument
+        return torch.compiler.disable(fn)
+
+
+_agree = _not_traceable(check_agreement)
+
+
 def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items_in_batch):
     """The call's tensors unwrapped (DTensors), cast (autocast) and validated:
     ``(hidden, weight, target, bias, opts, process_group)``."""
@@ -290,14 +307,14 @@ def run_loss(
             hidden, weight, target, opts, process_group, num_items_in_batch
         )
     except (TypeError, ValueError) as err:
-        if opts.check_inputs:  # the other ranks must not wait for this one
+        if opts.check_inputs and world_size(process_group) > 1:  # the others must not wait
             device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-            check_agreement(None, process_group, device, own_error=err)
+            _agree(None, process_group, device, own_error=err)
         raise
     t1 = target.reshape(-1).to(torch.int64)
     h2 = hidden.reshape(t1.shape[0], hidden.shape[-1])  # not (-1, H): H may be 0
-    if opts.check_inputs:
-        check_agreement(fingerprint(opts, h2, weight, t1), process_group, hidden.device)
+    if opts.check_inputs and world_size(process_group) > 1:
+        _agree(fingerprint(opts, h2, weight, t1), process_group, hidden.device)
     which = resolve_backend(opts.backend, hidden.device, hidden.dtype, "hidden")
     temp, accum = opts.temperature, precision.accumulate_dtype(hidden.dtype)
     slices = None  # sequence_parallel: all tokens of the group, gathered
@@ -314,6 +331,7 @@ def run_loss(
         t1.shape[0],
         hidden.device,
         recheck=opts.check_inputs and hidden.device.type == "cpu",
+        trust=not opts.check_inputs,
     )
     if opts.check_inputs:
         alone = world_size(process_group) == 1

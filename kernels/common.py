@@ -189,12 +189,14 @@ def tanh(y):
     overflows, is exactly +-1 at +-inf and keeps NaN. Its error is below 1e-7 absolute:
     a softcapped logit ``c * tanh(r / c)`` is then off by at most ``c * 1e-7``.
 
-    The division is the approximate one (2 ulp; its denominator is in [1, 2]): the
-    IEEE one has a slow path that ptxas compiles to a call, whose saved registers show
-    as spills.
+    The division is ``tl.fdiv`` without ``ieee_rounding`` (PTX ``div.full.f32``, 2 ulp;
+    the denominator is in [1, 2]): the IEEE one has a slow path that ptxas compiles to a
+    call, whose saved registers show as spills. No ``approx=True``: triton 3.6, the oldest
+    supported, has no such keyword, and ``div.full`` costs no more registers here
+    (``scripts/aot_compile.py`` on both versions).
     """
     e = tl.exp(-2.0 * tl.abs(y))
-    t = tl.fdiv(1.0 - e, 1.0 + e, approx=True)
+    t = tl.fdiv(1.0 - e, 1.0 + e)
     return tl.where(y < 0.0, -t, t)
 
 

@@ -41,7 +41,7 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
     for line in rows.values():
         assert line.split("|")[2].strip() == "ok", line
     # The table was printed row by row as the steps finished, in order.
-    printed = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    printed = [line for line in out.stdout.splitlines() if line.startswith("|")]
     assert printed == summary, out.stdout
     # Each data step reported its verdict, not merely an exit status.
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in STEPS}

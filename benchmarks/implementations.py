@@ -21,6 +21,9 @@ against the target, ``IGNORE`` tokens left out, where ``weight`` is this rank's 
     megatron         megatron.core vocab_parallel_cross_entropy on materialised logits
                      F.linear(x, W_local) (no ignore_index: masked and averaged here)
     liger, cce       Liger-Kernel / Cut Cross-Entropy fused linear CE (CUDA only, 1 rank)
+    liger_tp         Liger-Kernel's tensor-parallel function
+                     (liger_fused_linear_scaled_cross_entropy_tp) at TP 1: per-token NLL,
+                     averaged here over the non-ignored tokens (CUDA only)
 """
 
 from __future__ import annotations
@@ -50,9 +53,10 @@ IMPLS = {
     "deepspeed_dflt": ("DeepSpeed vp_linear_ce default chunks", (1,), ("deepspeed",)),
     "megatron": ("Megatron vp_cross_entropy(logits)", (1, 2), ("megatron.core",)),
     "liger": ("Liger fused linear CE", (1,), ("liger_kernel",)),
+    "liger_tp": ("Liger TP function, TP 1", (1,), ("liger_kernel",)),
     "cce": ("Cut Cross-Entropy", (1,), ("cut_cross_entropy",)),
 }
-CUDA_ONLY = ("liger", "cce")
+CUDA_ONLY = ("liger", "liger_tp", "cce")
 DEFAULT_IMPLS = [k for k in IMPLS if k not in ("deepspeed_dflt", "ours_ms_nocheck")]
 
 
@@ -82,7 +86,7 @@ def skip_reason(
 
 
 def needs_process_group(impl: str, world: int) -> bool:
-    return world > 1 or impl == "megatron"
+    return world > 1 or impl in ("megatron", "liger_tp")  # liger_tp wants a group at TP 1
 
 
 def init_distributed(case: dict, rank: int, device: torch.device):
@@ -170,6 +174,19 @@ def make_loss(impl: str, case: dict, y, bounds, group, device):
 
         fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)
         return lambda x, w: fn(w, x, y)
+    if impl == "liger_tp":
+        from liger_kernel.transformers.functional import (
+            liger_fused_linear_scaled_cross_entropy_tp,
+        )
+
+        valid = y != IGNORE
+        count = valid.sum().clamp(min=1)
+
+        def liger_tp(x, w):
+            nll = liger_fused_linear_scaled_cross_entropy_tp(x, w, y, group, ignore_index=IGNORE)
+            return torch.where(valid, nll, 0.0).sum() / count
+
+        return liger_tp
     if impl == "cce":
         from cut_cross_entropy import linear_cross_entropy
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -85,15 +86,30 @@ SMALL_ROWS = 64
 # Half-precision tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, deepest pipeline) by kernel
 # and architecture family (8: Ampere/Ada, 9: Hopper, 10: Blackwell and later). The
 # forward keeps an online max/sum-exp beside each tile and may store it: wider tiles make
-# ptxas spill there (scripts/aot_compile.py shows it), so its tiles are narrower.
+# ptxas spill there (scripts/aot_compile.py shows it), so its tiles are narrower. The
+# backward's 128x128 tile runs 16 warps on sm_90: with 8, its epilogue (scalar stores
+# and masks at odd sizes) needs 255 registers on triton 3.6; with 16 it needs 128 at most
+# on 3.6 and 3.9. Its 64-row tile has half the warps.
 _HALF_TILES = {
     ("forward_stats", 8): (64, 64, 64, 8, 3),
     ("forward_stats", 9): (64, 64, 64, 8, 4),
-    ("forward_stats", 10): (128, 32, 64, 8, 4),
-    ("logits_grad", 8): (128, 128, 64, 8, 4),
-    ("logits_grad", 9): (128, 128, 64, 8, 4),
+    ("forward_stats", 10): (128, 32, 64, 8, 4),  # triton >= 3.9; before: _OLD_TRITON_TILES
+    ("logits_grad", 8): (128, 128, 64, 8, 4),  # triton >= 3.9; before: _OLD_TRITON_TILES
+    ("logits_grad", 9): (128, 128, 64, 16, 4),
     ("logits_grad", 10): (128, 128, 64, 8, 4),
 }
+# Triton before 3.9 (3.6 is the oldest supported) allocates registers differently
+# (scripts/aot_compile.py on both): on sm_100 the forward tile above spills there (8-16
+# bytes, at an 80-register cap) while 64x64 with a 3-deep pipeline fits, and on 3.9 the
+# reverse; on sm_80 the backward's 8 warps need 255 registers at odd sizes there, while
+# 16 warps spill on 3.9 (at their 128-register cap). Everything else is one table.
+_TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
+_OLD_TRITON_TILES = {
+    ("forward_stats", 10): (64, 64, 64, 8, 3),
+    ("logits_grad", 8): (128, 128, 64, 16, 4),
+}
+if _TRITON_VERSION < (3, 9):
+    _HALF_TILES.update(_OLD_TRITON_TILES)
 # Exact fp32 products ("ieee": FMA, no tensor cores): small tiles, every architecture.
 _FP32_TILES = {
     "forward_stats": TileConfig(32, 32, 32, 8, 3),
@@ -112,7 +128,7 @@ def _matmul_tile(
         return _FP32_TILES[kernel]
     bm, bn, bk, warps, stages = _HALF_TILES[kernel, _family(capability)]
     if small and kernel == "logits_grad":
-        bm, warps = 64, 4
+        bm, warps = 64, max(4, warps // 2)
     # The deepest pipeline whose operand buffers leave room for the epilogue's scratch.
     for depth in range(stages, 1, -1):
         cfg = TileConfig(bm, bn, bk, warps, depth)
@@ -124,8 +140,11 @@ def _matmul_tile(
 def _lighter(tile: TileConfig) -> TileConfig:
     """The backward's tile when its epilogue holds more than the softmax tile (the
     softcap's ``tanh`` beside it; the bias): half as many columns per program, else ptxas
-    reaches 255 registers and spills (``scripts/aot_compile.py`` shows it)."""
-    return dataclasses.replace(tile, BLOCK_N=max(32, tile.BLOCK_N // 2))
+    reaches 255 registers and spills (``scripts/aot_compile.py`` shows it), and at most
+    one warp per 16 rows, 4 at least (the 16 warps of the 128x128 tile leave ptxas a register cap
+    that spills the softcap's epilogue on sm_80 with triton 3.6)."""
+    warps = min(tile.num_warps, max(4, tile.BLOCK_M // 16))
+    return dataclasses.replace(tile, BLOCK_N=max(32, tile.BLOCK_N // 2), num_warps=warps)
 
 
 def tile_config(
@@ -182,6 +201,11 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return interpreting() or dtype == torch.float32
 
 
+# tl.fdiv(..., approx=True) exists from some triton after 3.6 on (3.9 has it): a
+# compile-time branch, so the older triton never sees the keyword.
+HAS_APPROX_DIV = tl.constexpr("approx" in inspect.signature(tl.fdiv).parameters)
+
+
 @triton.jit
 def tanh(y):
     """``tanh(y)`` in fp32 from one ``exp`` (libdevice's tanh does not run under the
@@ -189,12 +213,18 @@ def tanh(y):
     overflows, is exactly +-1 at +-inf and keeps NaN. Its error is below 1e-7 absolute:
     a softcapped logit ``c * tanh(r / c)`` is then off by at most ``c * 1e-7``.
 
-    The division is the approximate one (2 ulp; its denominator is in [1, 2]): the
+    The division is the approximate one where Triton has it (``approx=True``: PTX
+    ``div.approx.f32``, 2 ulp; the denominator is in [1, 2]), else ``tl.fdiv`` without
+    ``ieee_rounding`` (``div.full.f32``, as precise; triton 3.6 has no ``approx``). The
     IEEE one has a slow path that ptxas compiles to a call, whose saved registers show
-    as spills.
+    as spills; ``div.full`` costs a few registers more than ``div.approx``, which on
+    triton 3.9 makes sm_100's softcap backward spill (``scripts/aot_compile.py``).
     """
     e = tl.exp(-2.0 * tl.abs(y))
-    t = tl.fdiv(1.0 - e, 1.0 + e, approx=True)
+    if HAS_APPROX_DIV:  # noqa: SIM108 (a statement: the other branch is never compiled)
+        t = tl.fdiv(1.0 - e, 1.0 + e, approx=True)
+    else:
+        t = tl.fdiv(1.0 - e, 1.0 + e)
     return tl.where(y < 0.0, -t, t)
 
 

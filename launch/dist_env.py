@@ -115,23 +115,25 @@ def collective(what: str, group: dist.ProcessGroup | None = None,
 def init_from_env(timeout_s: float, default_port: int = 29511) -> tuple[str, torch.device]:
     """Start the default process group from torchrun's environment (collective).
 
-    NCCL on the local GPU when CUDA is available, gloo on CPUs otherwise (with the CPU
-    threads split between the local ranks, which would otherwise oversubscribe the
-    cores). Without torchrun's variables it is a world of one process. ``timeout_s``
-    bounds every collective, so a rank never waits forever for a failed one.
+    NCCL on the local GPU when every local rank has a GPU of its own, gloo on CPUs
+    otherwise (with the CPU threads split between the local ranks, which would otherwise
+    oversubscribe the cores): two ranks on a one-GPU machine run on CPUs rather than ask
+    for a ``cuda:1`` that does not exist. Without torchrun's variables it is a world of
+    one process. ``timeout_s`` bounds every collective, so a rank never waits forever
+    for a failed one.
     Returns ``(backend, device)``.
     """
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(default_port))
-    if torch.cuda.is_available():
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     global _timeout_s
     _timeout_s = timeout_s

@@ -1,0 +1,211 @@
+"""Every Triton kernel variant on the GPU, against the torch backend.
+
+    python scripts/gpu_variants.py                 # one CUDA GPU; --jobs processes
+    python scripts/gpu_variants.py --dry-run       # CPU, Triton's interpreter, tiny sizes
+
+The variants are what the launchers list (``forward.launch_variants``,
+``backward.launch_variants``: kernel x dtype x mode constexprs x tile for this GPU). Each
+is reached through the public loss, ``vocab_parallel_linear_cross_entropy``, with the
+options that select it: the three dtypes, memory-saving and high-performance modes (which
+store the logits or the softmax), bias, softcap, label smoothing (the logit sum) with a
+z-loss, at a few rows (the 64-row tiles) and many, with an odd vocabulary and an odd
+number of rows (masked edges). Every case runs forward and backward on both backends
+(``reduction="none"``, random upstream gradients) and compares loss, ``grad_input``,
+``grad_weight`` and ``grad_bias``: max |triton - torch| / max |torch|.
+
+The constexprs of every launch are recorded (the launchers' ``_meta``), so the table ends
+with how many of the listed variants ran; a listed variant that no case reached fails the
+run, as does any mismatch. The cases run in ``--jobs`` processes on the same GPU, so that
+Triton compiles the variants in parallel on a machine without a warm kernel cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DTYPES = ("float32", "float16", "bfloat16")
+MODES = ("memory_saving", "high_performance")
+# max |triton - torch| / max |torch|: fp32 differs only in the order of fp32 sums; half
+# inputs in where G rounds to the input dtype differently by one ulp.
+TOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 2e-2}
+LAUNCH_ONLY = ("num_warps", "num_stages")
+
+
+def cases(dry_run: bool) -> list[dict]:
+    """Every combination of the options that select a kernel variant."""
+    shapes = [(7, 32, 67)] if dry_run else [(48, 256, 1001), (333, 256, 1001)]
+    out = []
+    for (bt, h, v), dtype, mode, bias, softcap, smooth in itertools.product(
+        shapes, DTYPES, MODES, (False, True), (None, 20.0), (0.0, 0.1)
+    ):
+        out.append(
+            dict(bt=bt, h=h, v=v, dtype=dtype, mode=mode, bias=bias, softcap=softcap,
+                 label_smoothing=smooth, z_loss=1e-3 if smooth else 0.0)
+        )  # fmt: skip
+    # Saved fp32 logits without a cap: only the operator takes them (``logits=``).
+    for (bt, h, v), dtype in itertools.product(shapes, DTYPES):
+        out.append(dict(bt=bt, h=h, v=v, dtype=dtype, mode="operator logits=", bias=False,
+                        softcap=None, label_smoothing=0.1, z_loss=0.0))  # fmt: skip
+    return out
+
+
+def operator_grads(c: dict, x, w, y, up, backend: str) -> list:
+    """``fused_linear_cross_entropy_loss_grad`` given the saved (uncapped) fp32 logits."""
+    import torch
+
+    import vocab_parallel as vp
+
+    logits = x.float() @ w.float().T
+    lmax = logits.max(dim=1).values
+    sumexp = torch.exp(logits - lmax[:, None]).sum(dim=1)
+    here = y >= 0
+    mask = vp.pack_target_mask(~here)
+    return list(
+        vp.fused_linear_cross_entropy_loss_grad(
+            up, x, w, mask, torch.where(here, y, 0), label_smoothing=c["label_smoothing"],
+            logits_max=lmax, sum_exp_logits=sumexp, logits=logits, backend=backend,
+        )
+    )  # fmt: skip
+
+
+def _key(kernel_name: str, dtype, meta: dict, with_tile: bool) -> tuple:
+    keep = {k: v for k, v in meta.items() if with_tile or not k.startswith(("BLOCK_", "num_"))}
+    return (kernel_name, str(dtype), tuple(sorted(keep.items())))
+
+
+def _recording(module, name: str, seen: list):
+    """Wrap ``module._meta`` so that each launch's constexprs are recorded."""
+    original = module._meta
+
+    def meta(dtype, *args, **kwargs):
+        out = original(dtype, *args, **kwargs)
+        seen.append((name, str(dtype), out))
+        return out
+
+    module._meta = meta
+
+
+def rel(a, b) -> float:
+    if a is None and b is None:
+        return 0.0
+    a, b = a.double(), b.double()
+    if not bool(a.isfinite().all()):
+        return float("inf")
+    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+
+
+def run_cases(job: tuple[list[dict], str]) -> tuple[list[dict], list]:
+    """One worker: every case of ``job`` on both backends; rows and recorded launches."""
+    batch, device = job
+    import torch
+
+    import vocab_parallel as vp
+    from vocab_parallel.kernels import backward, forward
+
+    seen: list = []
+    _recording(forward, "forward_stats", seen)
+    _recording(backward, "logits_grad", seen)
+    rows = []
+    for c in batch:
+        dtype = getattr(torch, c["dtype"])
+        gen = torch.Generator().manual_seed(c["bt"] * 7 + c["v"])
+        x = torch.randn(c["bt"], c["h"], generator=gen).to(device, dtype)
+        w = (torch.randn(c["v"], c["h"], generator=gen) * 2 / c["h"] ** 0.5).to(device, dtype)
+        b = (torch.randn(c["v"], generator=gen)).to(device, dtype) if c["bias"] else None
+        y = torch.randint(0, c["v"], (c["bt"],), generator=gen).to(device)
+        y[::5] = -100
+        up = (torch.rand(c["bt"], generator=gen) + 0.5).to(device)
+        out = {}
+        if c["mode"].startswith("operator"):
+            out = {be: operator_grads(c, x, w, y, up, be) for be in ("triton", "torch")}
+        for backend in () if out else ("triton", "torch"):
+            leaves = [t.clone().requires_grad_(True) for t in (x, w) + ((b,) if c["bias"] else ())]
+            loss = vp.vocab_parallel_linear_cross_entropy(
+                leaves[0], leaves[1], y, reduction="none", mode=c["mode"], backend=backend,
+                bias=leaves[2] if c["bias"] else None, softcap=c["softcap"],
+                label_smoothing=c["label_smoothing"], z_loss=c["z_loss"],
+            )  # fmt: skip
+            loss.backward(up)
+            out[backend] = [loss.detach()] + [t.grad for t in leaves]
+        errs = [rel(a, b_) for a, b_ in zip(out["triton"], out["torch"], strict=True)]
+        rows.append(c | {"err": max(errs), "ok": max(errs) <= TOL[c["dtype"]]})
+    return rows, seen
+
+
+def describe(c: dict) -> str:
+    opts = [c["mode"], c["dtype"], f"BT {c['bt']}"]
+    opts += ["bias"] * c["bias"] + ["softcap"] * (c["softcap"] is not None)
+    opts += ["smoothing"] * (c["label_smoothing"] > 0) + ["z_loss"] * (c["z_loss"] > 0)
+    return " ".join(opts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny")
+    p.add_argument("--jobs", type=int, help="worker processes (default 8; dry run 2)")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, here and in workers
+    import multiprocessing
+
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_variants: no CUDA device (--dry-run runs on CPU)", file=sys.stderr)
+        return 2
+    device = "cpu" if args.dry_run else "cuda"
+    from vocab_parallel.kernels import backward, forward
+
+    capability = None if args.dry_run else torch.cuda.get_device_capability()
+    listed = set()
+    for name, module in (("forward_stats", forward), ("logits_grad", backward)):
+        for _kernel, dtype, meta in module.launch_variants(capability or (9, 0)):
+            meta = {k: v for k, v in meta.items() if k not in LAUNCH_ONLY}
+            if args.dry_run:  # the interpreter has one tile and its own DOT_FP32/ROUND_BF16
+                meta = {k: v for k, v in meta.items() if k not in ("DOT_FP32", "ROUND_BF16")}
+            listed.add(_key(name, dtype, meta, not args.dry_run))
+
+    todo = cases(args.dry_run)
+    jobs = max(1, min(args.jobs or (2 if args.dry_run else 8), len(todo)))
+    batches = [(todo[i::jobs], device) for i in range(jobs)]
+    t0 = time.time()
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=spawn) as pool:
+        results = list(pool.map(run_cases, batches))
+    rows = [r for rs, _ in results for r in rs]
+    ran = set()
+    for _, seen in results:
+        for name, dtype, meta in seen:
+            meta = {k: v for k, v in meta.items() if k not in LAUNCH_ONLY}
+            if args.dry_run:
+                meta = {k: v for k, v in meta.items() if k not in ("DOT_FP32", "ROUND_BF16")}
+            ran.add(_key(name, dtype, meta, not args.dry_run))
+
+    print("| case | max rel err (loss, grads) | ok |")
+    print("|---|---|---|")
+    for r in sorted(rows, key=describe):
+        print(f"| {describe(r)} | {r['err']:.1e} | {'yes' if r['ok'] else 'NO'} |")
+    missing = listed - ran
+    for key in sorted(missing, key=str):
+        print(f"not reached: {key}")
+    bad = [r for r in rows if not r["ok"]]
+    where = f"sm_{capability[0]}{capability[1]}" if capability else "interpreter"
+    print(
+        f"\n{'FAILED' if bad or missing else 'OK'}: {len(rows) - len(bad)}/{len(rows)} cases "
+        f"agree with the torch backend; {len(listed & ran)}/{len(listed)} listed kernel "
+        f"variants ran ({where}, {time.time() - t0:.0f} s)"
+    )
+    return 1 if bad or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,17 +44,18 @@ def cases(dry_run: bool) -> list[dict]:
     """Every combination of the options that select a kernel variant."""
     shapes = [(7, 32, 67)] if dry_run else [(48, 256, 1001), (333, 256, 1001)]
     out = []
-    for (bt, h, v), dtype, mode, bias, softcap, smooth in itertools.product(
-        shapes, DTYPES, MODES, (False, True), (None, 20.0), (0.0, 0.1)
+    for (bt, h, v), dtype, mode, bias, softcap, smooth, scaled in itertools.product(
+        shapes, DTYPES, MODES, (False, True), (None, 20.0), (0.0, 0.1), (False, True)
     ):
         out.append(
             dict(bt=bt, h=h, v=v, dtype=dtype, mode=mode, bias=bias, softcap=softcap,
-                 label_smoothing=smooth, z_loss=1e-3 if smooth else 0.0)
+                 label_smoothing=smooth, z_loss=1e-3 if smooth else 0.0, scaled=scaled)
         )  # fmt: skip
     # Saved fp32 logits without a cap: only the operator takes them (``logits=``).
-    for (bt, h, v), dtype in itertools.product(shapes, DTYPES):
+    for (bt, h, v), dtype, scaled in itertools.product(shapes, DTYPES, (False, True)):
         out.append(dict(bt=bt, h=h, v=v, dtype=dtype, mode="operator logits=", bias=False,
-                        softcap=None, label_smoothing=0.1, z_loss=0.0))  # fmt: skip
+                        softcap=None, label_smoothing=0.1, z_loss=0.0,
+                        scaled=scaled))  # fmt: skip
     return out
 
 
@@ -64,7 +65,8 @@ def operator_grads(c: dict, x, w, y, up, backend: str) -> list:
 
     import vocab_parallel as vp
 
-    logits = x.float() @ w.float().T
+    temp = _temperature(c, x)
+    logits = x.float() @ w.float().T / temp[:, None]
     lmax = logits.max(dim=1).values
     sumexp = torch.exp(logits - lmax[:, None]).sum(dim=1)
     here = y >= 0
@@ -73,8 +75,26 @@ def operator_grads(c: dict, x, w, y, up, backend: str) -> list:
         vp.fused_linear_cross_entropy_loss_grad(
             up, x, w, mask, torch.where(here, y, 0), label_smoothing=c["label_smoothing"],
             logits_max=lmax, sum_exp_logits=sumexp, logits=logits, backend=backend,
+            temperature=temp if c["scaled"] else 1.0,
         )
     )  # fmt: skip
+
+
+def _temperature(c: dict, x):
+    """The case's per-token temperature (ones unless ``scaled``)."""
+    import torch
+
+    if not c["scaled"]:
+        return torch.ones(x.shape[0], device=x.device)
+    gen = torch.Generator().manual_seed(c["bt"])
+    return (torch.rand(x.shape[0], generator=gen) + 0.5).to(x.device)
+
+
+def _class_weight(c: dict, w):
+    import torch
+
+    gen = torch.Generator().manual_seed(c["v"])
+    return (torch.rand(w.shape[0], generator=gen) + 0.5).to(w.device)
 
 
 def _key(kernel_name: str, dtype, meta: dict, with_tile: bool) -> tuple:
@@ -133,6 +153,8 @@ def run_cases(job: tuple[list[dict], str]) -> tuple[list[dict], list]:
                 leaves[0], leaves[1], y, reduction="none", mode=c["mode"], backend=backend,
                 bias=leaves[2] if c["bias"] else None, softcap=c["softcap"],
                 label_smoothing=c["label_smoothing"], z_loss=c["z_loss"],
+                temperature=_temperature(c, x) if c["scaled"] else 1.0,
+                class_weight=_class_weight(c, w) if c["scaled"] else None,
             )  # fmt: skip
             loss.backward(up)
             out[backend] = [loss.detach()] + [t.grad for t in leaves]
@@ -145,6 +167,7 @@ def describe(c: dict) -> str:
     opts = [c["mode"], c["dtype"], f"BT {c['bt']}"]
     opts += ["bias"] * c["bias"] + ["softcap"] * (c["softcap"] is not None)
     opts += ["smoothing"] * (c["label_smoothing"] > 0) + ["z_loss"] * (c["z_loss"] > 0)
+    opts += ["temperature+class_weight"] * c["scaled"]
     return " ".join(opts)
 
 

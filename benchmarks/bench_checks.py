@@ -1,7 +1,9 @@
 """Benchmark: what the loss's input checks cost on the hot path.
 
-The loss checks every target id against the vocabulary and, on CPU, exchanges one small
-row per rank to check the shard layout and the token counts at every call
+The loss compares what must agree across the ranks (``vocab_parallel.agreement``: options,
+dtypes, gradient needs, token counts, checksums of targets and hidden states; one small
+collective), checks every target id against the vocabulary and, on CPU, exchanges one
+small row per rank to check the shard layout and the token counts at every call
 (``check_inputs=True``, the default; on CUDA the exchange runs once per layout and token
 count and the target check is a device-side assertion). This script times, in the same
 processes, one forward + backward of the loss with the checks, the same without them
@@ -37,7 +39,8 @@ def run_case(case: dict) -> dict:
 
     import torch.distributed as dist
 
-    from vocab_parallel import shard_bounds, vocab_parallel_linear_cross_entropy
+    from vocab_parallel import LossOptions, shard_bounds, vocab_parallel_linear_cross_entropy
+    from vocab_parallel.agreement import check_agreement, fingerprint
     from vocab_parallel.checks import check_targets
     from vocab_parallel.layout import resolve_layout
 
@@ -74,7 +77,9 @@ def run_case(case: dict) -> dict:
     if group is not None:
         dist.barrier(group)
     t0 = time.perf_counter()
+    stated = LossOptions(vocab_start_index=lo, global_vocab_size=v)
     for _ in range(n):
+        check_agreement(fingerprint(stated, x, w, y), group, x.device)
         layout = resolve_layout(hi - lo, group, lo, v, bt, x.device, recheck=True)
         check_targets(y, -100, layout.global_size)
     checks = (time.perf_counter() - t0) / n

@@ -91,7 +91,7 @@ SMALL_ROWS = 64
 # and masks at odd sizes) needs 255 registers on triton 3.6; with 16 it needs 128 at most
 # on 3.6 and 3.9. Its 64-row tile has half the warps.
 _HALF_TILES = {
-    ("forward_stats", 8): (64, 64, 64, 8, 3),
+    ("forward_stats", 8): (64, 64, 32, 8, 3),
     ("forward_stats", 9): (64, 64, 64, 8, 4),
     ("forward_stats", 10): (128, 32, 64, 8, 4),  # triton >= 3.9; before: _OLD_TRITON_TILES
     ("logits_grad", 8): (128, 128, 64, 8, 4),  # triton >= 3.9; before: _OLD_TRITON_TILES
@@ -164,7 +164,7 @@ def tile_config(
     if capability is None:
         return INTERPRETER_TILE
     if kernel in STREAM_KERNELS:  # fp32 softmax in, G out: bandwidth only
-        tile = TileConfig(32, 128, 16, 4, 1)
+        tile = TileConfig(32, 128, 16, 8, 1)
     elif kernel in MATMUL_KERNELS:
         tile = _matmul_tile(kernel, dtype, tuple(capability), rows <= SMALL_ROWS)
     else:

@@ -5,12 +5,16 @@ against torch's ``loss_parallel()`` on materialised logits."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import triton_interpreter_cases
 from multirank import run_ranks
 
 from vocab_parallel.loss import MODES
 from vocab_parallel.testing import DTENSOR_HIDDEN, Case, check_dtensor_case, grid
+
+# Multi-process: out of the fast loop (-m "not slow").
+pytestmark = pytest.mark.slow
 
 
 def _check_all(group, jobs, extra=None):

@@ -18,6 +18,9 @@ import textwrap
 
 import pytest
 
+# Multi-process (or compiling every kernel variant): out of the fast loop (-m "not slow").
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")  # the NVIDIA backend with its bundled ptxas
 

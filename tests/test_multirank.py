@@ -12,6 +12,9 @@ from multirank import run_ranks
 
 from vocab_parallel.testing import Case, check_case, grid
 
+# Multi-process (or compiling every kernel variant): out of the fast loop (-m "not slow").
+pytestmark = pytest.mark.slow
+
 
 def _check_all(group, cases):
     return [check_case(c, group, torch.device("cpu")) for c in cases]

@@ -16,6 +16,9 @@ from multirank import run_ranks
 
 from vocab_parallel.testing import Case, check_case
 
+# Multi-process (or compiling every kernel variant): out of the fast loop (-m "not slow").
+pytestmark = pytest.mark.slow
+
 OPTION_SETS = (
     dict(softcap=3.0),
     dict(z_loss=0.05),

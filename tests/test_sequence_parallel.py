@@ -15,6 +15,9 @@ from vocab_parallel import VocabParallelLinearCrossEntropy, vocab_parallel_linea
 from vocab_parallel.loss import MODES
 from vocab_parallel.testing import Case, check_sequence_parallel_case, grid, token_split
 
+# Multi-process (or compiling every kernel variant): out of the fast loop (-m "not slow").
+pytestmark = pytest.mark.slow
+
 CPU = torch.device("cpu")
 
 

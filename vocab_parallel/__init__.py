@@ -7,18 +7,23 @@ Public API:
     fused_linear_cross_entropy_loss_grad  the fused backward operator (docs/design.md)
     pack_target_mask, unpack_target_mask  the bit-packed target mask format
     shard_bounds                          the default contiguous (uneven) shard layout
+    LossOptions, LossOutput               the options value, the result with return_lse
 """
 
 from vocab_parallel.layout import shard_bounds
 from vocab_parallel.lm_head import VocabParallelLMHead
 from vocab_parallel.loss import (
+    LossOutput,
     VocabParallelLinearCrossEntropy,
     vocab_parallel_linear_cross_entropy,
 )
 from vocab_parallel.mask import pack_target_mask, unpack_target_mask
 from vocab_parallel.ops import fused_linear_cross_entropy_loss_grad
+from vocab_parallel.options import LossOptions
 
 __all__ = [
+    "LossOptions",
+    "LossOutput",
     "VocabParallelLMHead",
     "VocabParallelLinearCrossEntropy",
     "vocab_parallel_linear_cross_entropy",

@@ -45,6 +45,7 @@ from vocab_parallel.kernels.common import (
     TileConfig,
     device_capability,
     dot_in_fp32,
+    full_vector,
     interpreting,
     logits_tile,
     tanh,
@@ -191,15 +192,6 @@ def _logits_grad_kernel(
 SOURCES = ("recompute", "softmax", "logits")
 
 
-def _full(t: torch.Tensor | float | None, n: int, device) -> torch.Tensor:
-    """An fp32 contiguous ``[n]`` vector: ``t`` (of ``n`` values, or one broadcast), or
-    ones for None."""
-    if t is None:
-        return torch.ones(n, dtype=torch.float32, device=device)
-    t = torch.as_tensor(t, dtype=torch.float32, device=device)
-    return t.reshape(-1).expand(n).contiguous()
-
-
 def _meta(
     dtype: torch.dtype, source: str, has_bias: bool, softcap: bool, scaled: bool, tile: TileConfig
 ) -> dict:
@@ -300,9 +292,9 @@ def fused_backward(
     stride_grad = grad.stride(0) if grad.shape[0] == bt else 0
     hot = inv_t = cw = dummy  # the SCALED variant's vectors, in full
     if scaled:
-        hot = _full(terms.on_target if per_row_hot else float(terms.on_target), bt, x.device)
-        inv_t = _full(logits.inv_temperature, bt, x.device)
-        cw = _full(terms.class_weight, v, x.device)
+        hot = full_vector(terms.on_target if per_row_hot else float(terms.on_target), bt, x.device)
+        inv_t = full_vector(logits.inv_temperature, bt, x.device)
+        cw = full_vector(terms.class_weight, v, x.device)
     on_target = 1.0 if per_row_hot else float(terms.on_target)
     cap = 1.0 if softcap is None else float(softcap)
     cv = chunk_columns(bt, v, x.element_size(), chunk_bytes, h)

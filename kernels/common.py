@@ -206,6 +206,15 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 HAS_APPROX_DIV = tl.constexpr("approx" in inspect.signature(tl.fdiv).parameters)
 
 
+def full_vector(t: torch.Tensor | float | None, n: int, device) -> torch.Tensor:
+    """An fp32 contiguous ``[n]`` vector for a kernel: ``t`` (``n`` values, or one value
+    broadcast), or ones for None."""
+    if t is None:
+        return torch.ones(n, dtype=torch.float32, device=device)
+    t = torch.as_tensor(t, dtype=torch.float32, device=device)
+    return t.reshape(-1).expand(n).contiguous()
+
+
 @triton.jit
 def tanh(y):
     """``tanh(y)`` in fp32 from one ``exp`` (libdevice's tanh does not run under the

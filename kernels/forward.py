@@ -31,6 +31,7 @@ from vocab_parallel.kernels.common import (
     TileConfig,
     device_capability,
     dot_in_fp32,
+    full_vector,
     interpreting,
     logits_tile,
     tanh,
@@ -150,14 +151,6 @@ def _num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
     return max(1, min(n_tiles, triton.cdiv(programs, n_row_blocks)))
 
 
-def _full(t: torch.Tensor | None, n: int, device) -> torch.Tensor:
-    """An fp32 contiguous ``[n]`` vector: ``t`` (of ``n`` values, or one broadcast), or
-    ones for None."""
-    if t is None:
-        return torch.ones(n, dtype=torch.float32, device=device)
-    return t.to(torch.float32).reshape(-1).expand(n).contiguous()
-
-
 def _meta(
     dtype: torch.dtype,
     store_logits: bool,
@@ -235,8 +228,8 @@ def forward_stats(
     scaled = logits.inv_temperature is not None or class_weight is not None
     inv_t = cw = part  # stand-ins for pointers the plain variant never reads
     if scaled:
-        inv_t = _full(logits.inv_temperature, bt, x.device)
-        cw = _full(class_weight, v, x.device)
+        inv_t = full_vector(logits.inv_temperature, bt, x.device)
+        cw = full_vector(class_weight, v, x.device)
     _forward_stats_kernel[(n_row_blocks, splits)](
         x, weight, local_target.contiguous(), bias.contiguous() if has_bias else x, inv_t, cw,
         out, part[0], part[1], part[2], part[3],

@@ -329,9 +329,14 @@ def test_diverged_tp_replicas_exit_non_zero(tp2_checkpoint, corpus_and_cache, tm
     rc, out = run_train(2, _resume_args(run_dir, corpus_and_cache, ["--tp", "2"]))
     assert "resumed from step 3" in out, out[-4000:]
     assert rc != 0, out[-4000:]
-    assert "error: the tensor-parallel replicas diverged" in out, out[-4000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["tp_replicas_in_sync"] is False
+    # The loss's agreement check (vocab_parallel.agreement) sees the TP ranks pass different
+    # hidden states at the first step and stops every rank; without it, the launcher's
+    # end-of-run check reports the divergence.
+    stopped = "hidden: the ranks of process_group pass different values (checksum)" in out
+    if not stopped:
+        assert "error: the tensor-parallel replicas diverged" in out, out[-4000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["tp_replicas_in_sync"] is False
 
 
 @pytest.mark.skipif(not DEEPSPEED, reason="needs deepspeed")

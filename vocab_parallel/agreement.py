@@ -133,7 +133,7 @@ def _shown(field: int, value: float) -> str:
             return repr(choices[int(value)])
     if name == "softcap" and value == -1.0:
         return "None"
-    return f"{value:g}"
+    return f"{value:.10g}" if "checksum" in name else f"{value:g}"
 
 
 def check_agreement(

@@ -35,16 +35,20 @@ def _code(value, choices) -> float:
     return float(choices.index(value)) if value in choices else -1.0
 
 
-def _checksum(t: torch.Tensor) -> list[float]:
-    """Two float64 checksums of ``t``: its sum and a position-weighted sum (a permutation
-    or a change of one element changes them; NaN is mapped to a fixed value)."""
+def _checksum(t: torch.Tensor) -> list:
+    """Two float64 checksums of ``t`` (``[N, ...]``): the sum of its per-row sums and their
+    position-weighted sum (a change of a value or an order of rows changes them). One read
+    of ``t``, no copy of it; NaN and infinities map to fixed values, so equal tensors give
+    equal checksums."""
     if t.numel() == 0:
         return [0.0, 0.0]
-    flat = t.detach().reshape(-1).to(torch.float64)
-    flat = torch.nan_to_num(flat, nan=7e10, posinf=5e10, neginf=-3e10)  # sums stay finite
-    ramp = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
+    rows = t.detach().reshape(t.shape[0], -1) if t.dim() > 1 else t.detach().reshape(-1, 1)
+    per_row = torch.nan_to_num(
+        rows.sum(dim=1, dtype=torch.float64), nan=7e10, posinf=5e10, neginf=-3e10
+    )  # the sums stay finite
+    ramp = torch.arange(1, per_row.numel() + 1, device=per_row.device, dtype=torch.float64)
     ramp = torch.remainder(ramp, 1021.0) + 1.0
-    return [flat.sum(), (flat * ramp).sum()]
+    return [per_row.sum(), (per_row * ramp).sum()]
 
 
 # What is compared, in the order of the row every rank sends (the same length on every

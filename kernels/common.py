@@ -100,12 +100,12 @@ _HALF_TILES = {
 }
 # Triton before 3.9 (3.6 is the oldest supported) allocates registers differently
 # (scripts/aot_compile.py on both): on sm_100 the forward tile above spills there (8-16
-# bytes, at an 80-register cap) while 64x64 with a 2-deep pipeline fits, and on 3.9 the
+# bytes, at an 80-register cap) while 64x64 with a 3-deep pipeline fits, and on 3.9 the
 # reverse; on sm_80 the backward's 8 warps need 255 registers at odd sizes there, while
 # 16 warps spill on 3.9 (at their 128-register cap). Everything else is one table.
 _TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
 _OLD_TRITON_TILES = {
-    ("forward_stats", 10): (64, 64, 64, 8, 2),
+    ("forward_stats", 10): (64, 64, 64, 8, 3),
     ("logits_grad", 8): (128, 128, 64, 16, 4),
 }
 if _TRITON_VERSION < (3, 9):
@@ -172,8 +172,8 @@ def tile_config(
     if not heavy_epilogue or kernel == "forward_stats":
         return tile
     tile = _lighter(tile)
-    if dtype == torch.float32:  # FMA tiles: 3 stages spill the heavy epilogue (sm_100, 3.6)
-        tile = dataclasses.replace(tile, num_stages=min(tile.num_stages, 2))
+    if dtype == torch.float32 and _TRITON_VERSION < (3, 9):  # FMA tiles: BLOCK_K 32 spills
+        tile = dataclasses.replace(tile, BLOCK_K=16)  # the heavy epilogue on sm_100 there
     return tile
 
 

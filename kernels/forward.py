@@ -88,7 +88,10 @@ def _forward_stats_kernel(
     if SCALED:
         inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=1.0)
 
-    run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    # The running max starts at the most negative finite fp32, not -inf: a tile whose
+    # logits are all -inf (a masking bias) then adds exp(-inf - m) = 0 and rescales by
+    # exp(0) = 1, never exp(-inf + inf) = NaN, at no extra register.
+    run_max = tl.full((BLOCK_M,), -3.4028234663852886e38, dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     pred = tl.zeros((BLOCK_M,), dtype=tl.float32)
     lsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -113,13 +116,11 @@ def _forward_stats_kernel(
                 acc,
                 mask=row_ok[:, None] & col_ok[None, :],
             )
-        # Online max / sum-exp; padding columns count as -inf (exp gives 0). While every
-        # logit so far is -inf (a masking bias), shift by 0: exp(-inf) = 0, never NaN.
+        # Online max / sum-exp; padding columns count as -inf (exp gives 0).
         masked = tl.where(col_ok[None, :], acc, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(masked, axis=1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(
-            tl.exp(masked - shift[:, None]), axis=1
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
+            tl.exp(masked - new_max[:, None]), axis=1
         )
         run_max = new_max
         pred += tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)

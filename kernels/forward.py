@@ -242,6 +242,5 @@ def forward_stats(
     )  # fmt: skip
     p_max, p_sum, p_pred, p_lsum = part
     row_max = p_max.max(dim=0).values
-    shift = torch.where(row_max == float("-inf"), 0.0, row_max)  # all -inf: no NaN
-    row_sum = (p_sum * torch.exp(p_max - shift)).sum(dim=0)
+    row_sum = (p_sum * torch.exp(p_max - row_max)).sum(dim=0)  # p_max is finite: no NaN
     return LocalStats(row_max, row_sum, p_pred.sum(dim=0), p_lsum.sum(dim=0))

@@ -124,7 +124,9 @@ class GradInForwardLinearCE(torch.autograd.Function):
         fill = torch.zeros if bt == 0 else torch.empty
         grad_weight = fill(weight.shape, **f) if needs[1] else None
         grad_bias = fill(weight.shape[0], **f) if needs[2] else None
-        fields = ("loss", "lse", "logits_max", "sum_exp", "target_weight")
+        fields = ("loss", "lse", "logits_max", "sum_exp")
+        if call.class_weight is not None:
+            fields += ("target_weight",)
         per_token = {k: torch.empty(bt, **f) for k in fields}
         weight_sum = None
 

@@ -265,8 +265,8 @@ _agree = _not_traceable(check_agreement)
 
 
 def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items_in_batch):
-    """The call's tensors unwrapped (DTensors), cast (autocast) and validated:
-    ``(hidden, weight, target, bias, opts, process_group)``."""
+    """The call's tensors unwrapped (DTensors), cast (autocast) and validated, and the
+    backend that runs them: ``(hidden, weight, target, bias, opts, process_group, which)``."""
     if num_items_in_batch is not None:
         check_num_items_in_batch(num_items_in_batch)
         if opts.reduction != "sum":
@@ -284,8 +284,8 @@ def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items
     hidden, weight, bias = autocast_inputs(hidden, weight, opts.bias)
     opts = opts if bias is opts.bias else opts.replace(bias=bias)
     _check_tensors(hidden, weight, target, opts)
-    resolve_backend(opts.backend, hidden.device, hidden.dtype, "hidden")
-    return hidden, weight, target, bias, opts, process_group
+    which = resolve_backend(opts.backend, hidden.device, hidden.dtype, "hidden")
+    return hidden, weight, target, bias, opts, process_group, which
 
 
 def run_loss(
@@ -303,7 +303,7 @@ def run_loss(
     on every rank alike before any collective whose size depends on the inputs."""
     check_member(process_group)
     try:
-        hidden, weight, target, bias, opts, process_group = _prepare(
+        hidden, weight, target, bias, opts, process_group, which = _prepare(
             hidden, weight, target, opts, process_group, num_items_in_batch
         )
     except (TypeError, ValueError) as err:
@@ -315,7 +315,6 @@ def run_loss(
     h2 = hidden.reshape(t1.shape[0], hidden.shape[-1])  # not (-1, H): H may be 0
     if opts.check_inputs and world_size(process_group) > 1:
         _agree(fingerprint(opts, h2, weight, t1), process_group, hidden.device)
-    which = resolve_backend(opts.backend, hidden.device, hidden.dtype, "hidden")
     temp, accum = opts.temperature, precision.accumulate_dtype(hidden.dtype)
     slices = None  # sequence_parallel: all tokens of the group, gathered
     if opts.sequence_parallel:

@@ -161,19 +161,23 @@ def forward_stats(
     ``logits_out`` (``[BT, V]``, the statistics' dtype) receives ``z`` when given, and the
     chunk products are then written straight into it. ``logit_sum``: also the sum of ``z``
     weighted by ``class_weight`` (``[V]``, None: 1), which only label smoothing needs.
-    A chunk whose logits are all ``-inf`` (a masking bias) adds nothing: the running
-    maximum is then ``-inf`` and the rescaling is by 0, not ``exp(-inf + inf)``.
+    A chunk whose logits are all ``-inf`` (a masking bias) adds nothing (see the running
+    maximum's start below); a row whose logits are all ``-inf`` has the most negative
+    finite max and a zero sum.
     """
     bt = x.shape[0]
     v = weight.shape[0]
     accum = precision.accumulate_dtype(x.dtype)
     f32 = dict(dtype=accum, device=x.device)
-    row_max = torch.full((bt,), float("-inf"), **f32)
     row_sum = torch.zeros(bt, **f32)
     pred = torch.zeros(bt, **f32)
     lsum = torch.zeros(bt, **f32)
     if bt == 0 or v == 0:
-        return LocalStats(row_max, row_sum, pred, lsum)
+        return LocalStats(torch.full((bt,), float("-inf"), **f32), row_sum, pred, lsum)
+    # The running max starts at the most negative finite value, not -inf (as in the Triton
+    # kernel): a chunk of -inf logits (a masking bias) adds exp(-inf - m) = 0 and rescales
+    # by exp(0) = 1, never exp(-inf + inf) = NaN.
+    row_max = torch.full((bt,), torch.finfo(f32["dtype"]).min, **f32)
     operand = precision.operand_dtype(x.dtype, x.device.type)
     x_op = x.to(operand)
     inv_t = _row(logits.inv_temperature, accum)
@@ -196,10 +200,8 @@ def forward_stats(
         if logit_sum:  # only label smoothing needs it: skip the pass otherwise
             lsum += z.sum(dim=1) if cw is None else torch.mv(z, cw[v0:v1])
         new_max = torch.maximum(row_max, z.max(dim=1).values)
-        # -inf where every logit so far is -inf: shift by 0 there (exp(-inf) = 0, no NaN).
-        shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-        row_sum.mul_(torch.exp(row_max - shift))
-        row_sum.add_(_sum_exp(z, shift[:, None], in_place=out is None))
+        row_sum.mul_(torch.exp(row_max - new_max))
+        row_sum.add_(_sum_exp(z, new_max[:, None], in_place=out is None))
         row_max = new_max
         del z  # free this chunk before the next one is allocated
     return LocalStats(row_max, row_sum, pred, lsum)

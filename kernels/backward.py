@@ -5,6 +5,7 @@ The backward of ``loss = CE(z, y) + z_loss * lse^2`` with ``z = cap(r)``,
 over one vocabulary shard is (the operator's math: ``vocab_parallel.ops``)
 
     G           = (softmax(z) * (1 + 2 z_loss lse) - q) * grad[:, None] * cap'(r)
+                  (the token statistics' entropy: softmax(z) * (s + ent * (z - max)))
     cap'(r)     = 1 - tanh(r / c)^2                           (q: target distribution)
     grad_input  = G @ W;   grad_weight = G.T @ x;   grad_bias = G.sum(0)
 
@@ -84,6 +85,7 @@ def _logits_grad_kernel(
     ontarget_ptr,  # [BT] fp32 what each row's one-hot subtracts (SCALED; else on_target)
     cw_ptr,  # [V] fp32 class weight of each shard column, factor of smooth_all (SCALED)
     invt_ptr,  # [BT] fp32 inverse temperature of each row, z = cap(r) * invt (SCALED)
+    ent_ptr,  # [BT] fp32 factor of p * (z - max), the entropy's gradient (ENTROPY)
     g_ptr,  # [BT, CV] output chunk of G, input dtype
     # Sizes
     BT,
@@ -111,6 +113,7 @@ def _logits_grad_kernel(
     HAS_BIAS: tl.constexpr,  # recomputed logits get bias[cols]
     SOFTCAP: tl.constexpr,  # z = softcap * tanh(r / softcap); G gets 1 - tanh^2
     SCALED: tl.constexpr,  # per-row temperature and on-target amount, per-column weights
+    ENTROPY: tl.constexpr,  # the softmax's factor gets ent * (z - max) (not HAS_SOFTMAX)
     DOT_FP32: tl.constexpr,  # cast operands to fp32 before tl.dot (fp32 inputs, interpreter)
     ROUND_BF16: tl.constexpr,  # round G to bf16 by hand (interpreter truncates)
     BLOCK_M: tl.constexpr,
@@ -163,7 +166,13 @@ def _logits_grad_kernel(
         prob = tl.exp(z - row_max[:, None]) / row_sum[:, None]
     # z-loss: softmax * (1 + 2 z_loss lse); exactly the softmax (times 1.0) without it.
     pscale = tl.load(pscale_ptr + rows * stride_ps, mask=row_ok, other=1.0)
-    prob = prob * pscale[:, None]
+    if ENTROPY:  # token statistics: p * (pscale + ent * (z - max)), z - max = log(p sum)
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        zm = z - row_max[:, None]
+        zm = tl.where(zm > float("-inf"), zm, 0.0)  # a -inf logit: p = 0, a finite factor
+        prob = prob * (pscale[:, None] + ent[:, None] * zm)
+    else:
+        prob = prob * pscale[:, None]
 
     # One-hot of the local target (-1, never a column, where the target is elsewhere).
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
@@ -193,7 +202,13 @@ SOURCES = ("recompute", "softmax", "logits")
 
 
 def _meta(
-    dtype: torch.dtype, source: str, has_bias: bool, softcap: bool, scaled: bool, tile: TileConfig
+    dtype: torch.dtype,
+    source: str,
+    has_bias: bool,
+    softcap: bool,
+    scaled: bool,
+    tile: TileConfig,
+    entropy: bool = False,
 ) -> dict:
     """Constexprs and launch options of one launch (shared with :func:`launch_variants`)."""
     return dict(
@@ -202,6 +217,7 @@ def _meta(
         HAS_BIAS=has_bias,
         SOFTCAP=softcap,
         SCALED=scaled,
+        ENTROPY=entropy,
         DOT_FP32=dot_in_fp32(dtype),
         ROUND_BF16=interpreting() and dtype == torch.bfloat16,
         **tile.meta(),
@@ -227,12 +243,16 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
     """Every ``(kernel, input dtype, constexprs and launch options)`` this launcher can
     choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
+    # The entropy's term comes with per-row terms (SCALED) and needs the logits.
+    kinds = [(False, False), (True, False), (True, True)]  # (scaled, entropy)
     for source in SOURCES:
-        for (has_bias, softcap), scaled in itertools.product(_flags(source), (False, True)):
+        for (has_bias, softcap), (scaled, entropy) in itertools.product(_flags(source), kinds):
+            if entropy and source == "softmax":
+                continue
             for dtype in (torch.float16, torch.bfloat16, torch.float32):
                 heavy = has_bias or softcap or scaled
                 for tile in tile_configs(_kernel_name(source), dtype, capability, heavy):
-                    meta = _meta(dtype, source, has_bias, softcap, scaled, tile)
+                    meta = _meta(dtype, source, has_bias, softcap, scaled, tile, entropy)
                     variants.append((_logits_grad_kernel, dtype, meta))
     return variants
 
@@ -271,10 +291,18 @@ def fused_backward(
     # A temperature, per-row on-target amounts or class weights: the SCALED variant; the
     # plain one takes on_target as a scalar.
     per_row_hot = isinstance(terms.on_target, torch.Tensor)
-    scaled = logits.inv_temperature is not None or per_row_hot or terms.class_weight is not None
+    entropy = terms.entropy is not None
+    if entropy and source == "softmax":
+        raise ValueError("terms: the entropy's term needs the logits, not a saved softmax")
+    scaled = (
+        logits.inv_temperature is not None
+        or per_row_hot
+        or terms.class_weight is not None
+        or entropy
+    )
     heavy = has_bias or softcap is not None or scaled  # see tile_config
     tile = tile_config(_kernel_name(source), x.dtype, capability, bt, heavy)
-    meta = _meta(x.dtype, source, has_bias, softcap is not None, scaled, tile)
+    meta = _meta(x.dtype, source, has_bias, softcap is not None, scaled, tile, entropy)
     target = local_target.contiguous()
     grad = terms.grad.float().contiguous()
     dummy = grad  # stands in for pointers the chosen mode never reads
@@ -295,6 +323,7 @@ def fused_backward(
         hot = full_vector(terms.on_target if per_row_hot else float(terms.on_target), bt, x.device)
         inv_t = full_vector(logits.inv_temperature, bt, x.device)
         cw = full_vector(terms.class_weight, v, x.device)
+    ent = full_vector(terms.entropy, bt, x.device) if entropy else dummy
     on_target = 1.0 if per_row_hot else float(terms.on_target)
     cap = 1.0 if softcap is None else float(softcap)
     cv = chunk_columns(bt, v, x.element_size(), chunk_bytes, h)
@@ -308,7 +337,7 @@ def fused_backward(
         g = g_buf[:, :n]
         grid = (triton.cdiv(bt, tile.BLOCK_M), triton.cdiv(n, tile.BLOCK_N))
         _logits_grad_kernel[grid](
-            x, weight, b, saved, grad, target, lmax, lsum, prob_scale, hot, cw, inv_t, g,
+            x, weight, b, saved, grad, target, lmax, lsum, prob_scale, hot, cw, inv_t, ent, g,
             bt, h, v0, n,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
             s_strides[0], s_strides[1], stride_grad, stride_ps, g.stride(0), g.stride(1),

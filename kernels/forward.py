@@ -8,6 +8,8 @@ pass over vocabulary tiles gives
     local_sum[i]  = sum_j exp(logits[i, j] - local_max[i])
     predicted[i]  = logits[i, target[i]]   (0 where the target is not on this shard)
     logit_sum[i]  = sum_j logits[i, j]     (label smoothing needs the mean logit)
+    shifted[i]    = sum_j e_ij (logits[i, j] - local_max[i])    (EXTRA_STATS: entropy)
+    exp2[i]       = sum_j e_ij^2, e_ij = exp(logits[i, j] - local_max[i])   (sum p^2)
 
 so the logits are produced once and never stored (unless high-performance mode asks for
 them, to turn them into the saved softmax). The vocabulary is cut into a fixed number of
@@ -54,6 +56,8 @@ def _forward_stats_kernel(
     sum_ptr,  # [S, BT] fp32 partial sum of exp(logit - partial max)
     pred_ptr,  # [S, BT] fp32 partial target logit
     lsum_ptr,  # [S, BT] fp32 partial sum of logits
+    shift_ptr,  # [S, BT] fp32 partial sum of e * (logit - partial max) (EXTRA_STATS)
+    exp2_ptr,  # [S, BT] fp32 partial sum of e^2 (EXTRA_STATS)
     # Sizes
     BT,
     H,
@@ -74,6 +78,7 @@ def _forward_stats_kernel(
     HAS_BIAS: tl.constexpr,  # add bias[cols] to the logits
     SOFTCAP: tl.constexpr,  # cap the logits: softcap * tanh(logits / softcap)
     SCALED: tl.constexpr,  # per-row inverse temperature and per-column class weights
+    EXTRA_STATS: tl.constexpr,  # also the shifted and squared sums (token statistics)
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -95,6 +100,8 @@ def _forward_stats_kernel(
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     pred = tl.zeros((BLOCK_M,), dtype=tl.float32)
     lsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    shifted = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    exp2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
     inv_softcap = 1.0 / softcap  # a multiplication per logit, not a division
     first_tile = pid_s * tiles_per_split
     n_tiles = tl.minimum(tiles_per_split, tl.cdiv(V, BLOCK_N) - first_tile)
@@ -119,9 +126,20 @@ def _forward_stats_kernel(
         # Online max / sum-exp; padding columns count as -inf (exp gives 0).
         masked = tl.where(col_ok[None, :], acc, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(masked, axis=1))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
-            tl.exp(masked - new_max[:, None]), axis=1
-        )
+        if EXTRA_STATS:  # moved to the new max as the sum is (vocab_parallel.interface)
+            step = run_max - new_max  # <= 0
+            decay = tl.exp(step)
+            shifted = tl.where(run_sum > 0.0, shifted + step * run_sum, 0.0) * decay
+            exp2 = exp2 * decay * decay
+            zm = masked - new_max[:, None]
+            e = tl.exp(zm)
+            run_sum = run_sum * decay + tl.sum(e, axis=1)
+            shifted += tl.sum(e * tl.where(e > 0.0, zm, 0.0), axis=1)  # never 0 * -inf
+            exp2 += tl.sum(e * e, axis=1)
+        else:
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
+                tl.exp(masked - new_max[:, None]), axis=1
+            )
         run_max = new_max
         pred += tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
         if LOGIT_SUM:
@@ -136,6 +154,9 @@ def _forward_stats_kernel(
     tl.store(sum_ptr + out, run_sum, mask=row_ok)
     tl.store(pred_ptr + out, pred, mask=row_ok)
     tl.store(lsum_ptr + out, lsum, mask=row_ok)
+    if EXTRA_STATS:
+        tl.store(shift_ptr + out, shifted, mask=row_ok)
+        tl.store(exp2_ptr + out, exp2, mask=row_ok)
 
 
 @functools.cache
@@ -160,6 +181,7 @@ def _meta(
     softcap: bool,
     scaled: bool,
     tile: TileConfig,
+    extra_stats: bool = False,
 ) -> dict:
     """Constexprs and launch options of one launch (shared with :func:`launch_variants`)."""
     return dict(
@@ -168,6 +190,7 @@ def _meta(
         HAS_BIAS=has_bias,
         SOFTCAP=softcap,
         SCALED=scaled,
+        EXTRA_STATS=extra_stats,
         DOT_FP32=dot_in_fp32(dtype),
         **tile.meta(),
     )
@@ -177,11 +200,15 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
     """Every ``(kernel, input dtype, constexprs and launch options)`` this launcher can
     choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
-    flags = itertools.product((False, True), repeat=5)  # store, logit sum, bias, cap, scaled
-    for store, logit_sum, has_bias, softcap, scaled in flags:
+    # store, logit sum, bias, cap, scaled, extra stats (never with the logit sum: the token
+    # statistics have no label smoothing)
+    flags = itertools.product((False, True), repeat=6)
+    for store, logit_sum, has_bias, softcap, scaled, extra in flags:
+        if logit_sum and extra:
+            continue
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for tile in tile_configs("forward_stats", dtype, capability):
-                meta = _meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile)
+                meta = _meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile, extra)
                 variants.append((_forward_stats_kernel, dtype, meta))
     return variants
 
@@ -195,6 +222,7 @@ def forward_stats(
     logits_out: torch.Tensor | None = None,
     logit_sum: bool = False,
     class_weight: torch.Tensor | None = None,
+    extra_stats: bool = False,
 ) -> LocalStats:
     """:class:`LocalStats` of ``z = cap(x @ W.T + bias) / T``, each fp32 ``[BT]``
     (``vocab_parallel.backend.Backend.forward_stats``).
@@ -202,25 +230,23 @@ def forward_stats(
     ``local_target`` is int64 ``[BT]``, -1 where the row's target is not on this shard.
     ``logits_out``, if given, is an fp32 ``[BT, V]`` buffer that receives ``z``.
     A shard without columns gives max -inf and zero sums. ``logit_sum=False`` skips the
-    logit sum (only label smoothing needs it) and returns zeros for it.
+    logit sum (only label smoothing needs it) and returns zeros for it. ``extra_stats``:
+    also the shifted and squared sums (``LocalStats``), merged over the splits as over
+    shards.
     """
     bt, h = x.shape
     v = weight.shape[0]
     f32 = dict(dtype=torch.float32, device=x.device)
     if bt == 0 or v == 0:
-        return LocalStats(
-            torch.full((bt,), float("-inf"), **f32),
-            torch.zeros(bt, **f32),
-            torch.zeros(bt, **f32),
-            torch.zeros(bt, **f32),
-        )
+        zeros = [torch.zeros(bt, **f32) for _ in range(5 if extra_stats else 3)]
+        return LocalStats(torch.full((bt,), float("-inf"), **f32), *zeros)
     tile = tile_config("forward_stats", x.dtype, device_capability(x.device), bt)
     n_tiles = triton.cdiv(v, tile.BLOCK_N)
     n_row_blocks = triton.cdiv(bt, tile.BLOCK_M)
     splits = _num_splits(n_row_blocks, n_tiles, x.device)
     tiles_per_split = triton.cdiv(n_tiles, splits)
     splits = triton.cdiv(n_tiles, tiles_per_split)
-    part = torch.empty((4, splits, bt), **f32)
+    part = torch.empty((6 if extra_stats else 4, splits, bt), **f32)
     store = logits_out is not None
     out = logits_out if store else part
     bias, softcap = logits.bias, logits.softcap
@@ -233,14 +259,19 @@ def forward_stats(
         cw = full_vector(class_weight, v, x.device)
     _forward_stats_kernel[(n_row_blocks, splits)](
         x, weight, local_target.contiguous(), bias.contiguous() if has_bias else x, inv_t, cw,
-        out, part[0], part[1], part[2], part[3],
+        out, part[0], part[1], part[2], part[3], part[-2], part[-1],
         bt, h, v, tiles_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0) if store else 0, out.stride(1) if store else 0,
         1.0 if softcap is None else float(softcap),
-        **_meta(x.dtype, store, logit_sum, has_bias, softcap is not None, scaled, tile),
+        **_meta(x.dtype, store, logit_sum, has_bias, softcap is not None, scaled, tile,
+                extra_stats),
     )  # fmt: skip
-    p_max, p_sum, p_pred, p_lsum = part
+    p_max, p_sum, p_pred, p_lsum = part[:4]
     row_max = p_max.max(dim=0).values
     row_sum = (p_sum * torch.exp(p_max - row_max)).sum(dim=0)  # p_max is finite: no NaN
-    return LocalStats(row_max, row_sum, p_pred.sum(dim=0), p_lsum.sum(dim=0))
+    extras = []
+    if extra_stats:  # each split's sums moved to the row max, added in split order
+        splits_stats = LocalStats(p_max, p_sum, p_pred, p_lsum, part[4], part[5])
+        extras = [t.sum(dim=0) for t in splits_stats.rescaled_extras(row_max[None, :])]
+    return LocalStats(row_max, row_sum, p_pred.sum(dim=0), p_lsum.sum(dim=0), *extras)

@@ -4,6 +4,7 @@ Public API:
     vocab_parallel_linear_cross_entropy   the sharded LM-head loss (docs/design.md)
     VocabParallelLinearCrossEntropy       its nn.Module form
     VocabParallelLMHead                   an LM head that owns its shard and computes the loss
+    vocab_parallel_token_stats, TokenStats  per-token log-probs, entropy, top-k (RL)
     fused_linear_cross_entropy_loss_grad  the fused backward operator (docs/design.md)
     pack_target_mask, unpack_target_mask  the bit-packed target mask format
     shard_bounds                          the default contiguous (uneven) shard layout
@@ -20,13 +21,16 @@ from vocab_parallel.loss import (
 from vocab_parallel.mask import pack_target_mask, unpack_target_mask
 from vocab_parallel.ops import fused_linear_cross_entropy_loss_grad
 from vocab_parallel.options import LossOptions
+from vocab_parallel.token_stats import TokenStats, vocab_parallel_token_stats
 
 __all__ = [
     "LossOptions",
     "LossOutput",
+    "TokenStats",
     "VocabParallelLMHead",
     "VocabParallelLinearCrossEntropy",
     "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_token_stats",
     "fused_linear_cross_entropy_loss_grad",
     "pack_target_mask",
     "unpack_target_mask",

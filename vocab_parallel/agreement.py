@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from vocab_parallel.distributed import all_reduce, group_ranks, world_size
-from vocab_parallel.options import BACKENDS, MODES, REDUCTIONS, LossOptions
+from vocab_parallel.options import BACKENDS, MODES, REDUCTIONS, LossOptions, StatsRequest
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Entries whose difference means another rank refused its arguments.
@@ -64,6 +64,10 @@ FIELDS = (
     ("z_loss", "z_loss"),
     ("return_lse", "return_lse"),
     ("sequence_parallel", "sequence_parallel"),
+    ("entropy", "entropy"),
+    ("sum_p_squared", "sum_p_squared"),
+    ("top_k", "top_k"),
+    ("argmax", "argmax"),
     ("bias given", "bias"),
     ("class_weight given", "class_weight"),
     ("temperature as a tensor", "temperature"),
@@ -85,11 +89,17 @@ FIELDS = (
 
 
 def fingerprint(
-    opts: LossOptions, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
+    opts: LossOptions,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    request: StatsRequest | None = None,
 ) -> list[object]:
     """What must agree across the ranks for this call (``hidden [N, H]``, ``target [N]``
-    flattened, before any gathering), in the order of :data:`FIELDS`; floats or 0-d
-    tensors (the checksums stay on the device until the one collective)."""
+    flattened, before any gathering; ``request``: the token statistics asked for, None for
+    the loss), in the order of :data:`FIELDS`; floats or 0-d tensors (the checksums stay
+    on the device until the one collective)."""
+    request = StatsRequest() if request is None else request
     temp = opts.temperature
     grad = torch.is_grad_enabled()
     bias = opts.bias
@@ -107,6 +117,10 @@ def fingerprint(
         opts.z_loss,
         float(opts.return_lse),
         float(opts.sequence_parallel),
+        float(request.entropy),
+        float(request.sum_p_squared),
+        float(request.top_k),
+        float(request.argmax),
         float(bias is not None),
         float(opts.class_weight is not None),
         float(isinstance(temp, torch.Tensor)),

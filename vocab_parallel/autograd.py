@@ -31,7 +31,7 @@ from vocab_parallel.distributed import all_reduce, world_size
 from vocab_parallel.interface import Grads, Outputs
 from vocab_parallel.stats import (
     Call,
-    TokenStats,
+    RowStats,
     forward_stats,
     gradient_terms,
     local_targets,
@@ -114,7 +114,7 @@ def shard_gradients(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     local_target: torch.Tensor,
-    token: TokenStats,
+    token: RowStats,
     need: tuple[bool, bool, bool],
     *,
     source: dict | None = None,
@@ -201,7 +201,7 @@ class VocabParallelLinearCE(torch.autograd.Function):
         """``(grad_hidden, grad_weight, grad_bias)``; a gradient nobody needs costs no GEMM,
         no memory and (``grad_hidden``) no all-reduce, and is None."""
         hidden, weight, bias, local_target, ignored, softmax, logits, *stats = ctx.saved_tensors
-        token = TokenStats(None, *stats)
+        token = RowStats(None, *stats)
         accum = precision.accumulate_dtype(hidden.dtype)
         grad = grad_loss.to(accum).masked_fill(ignored, 0.0)
         source = {"softmax": softmax, "logits": logits}

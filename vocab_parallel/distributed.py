@@ -2,7 +2,7 @@
 
 ``process_group=None`` (or a group of one rank) means no tensor parallelism: every helper
 here then returns without touching torch.distributed, so the loss also works in a
-process that never initialised it. All payloads are fp32 (gloo has no bf16 collectives).
+process that never initialised it. All payloads are fp32 or float64 (gloo has no bf16 collectives).
 
 A collective that fails (most often: a peer rank died or stopped and the group's timeout
 ran out) raises a :class:`CollectiveError` (a ``RuntimeError``) that says which
@@ -35,8 +35,9 @@ def group_ranks(process_group: dist.ProcessGroup | None) -> list[int]:
 
 
 def _failed(op: str, what: str, process_group, exc: Exception) -> CollectiveError:
+    kind = "all-gather" if op == "GATHER" else f"{op} all-reduce"
     return CollectiveError(
-        f"vocab_parallel: {op} all-reduce of {what} over ranks "
+        f"vocab_parallel: {kind} of {what} over ranks "
         f"{group_ranks(process_group)} of process_group failed (a rank died, stopped "
         f"or left the group, or the group's timeout ran out): {exc}"
     )
@@ -56,6 +57,22 @@ def all_reduce(
         except RuntimeError as exc:  # DistBackendError and timeouts derive from it
             raise _failed(op, what, process_group, exc) from exc
     return tensor
+
+
+def all_gather(
+    tensor: torch.Tensor, process_group: dist.ProcessGroup | None, what: str = "tensor"
+) -> torch.Tensor:
+    """``[ranks, *tensor.shape]``: every rank's ``tensor`` (equal shapes), in group rank
+    order; ``tensor[None]`` alone. Errors raise :class:`CollectiveError`."""
+    n = world_size(process_group)
+    if n == 1:
+        return tensor[None]
+    parts = [torch.empty_like(tensor) for _ in range(n)]
+    try:
+        dist.all_gather(parts, tensor.contiguous(), group=process_group)
+    except RuntimeError as exc:
+        raise _failed("GATHER", what, process_group, exc) from exc
+    return torch.stack(parts)
 
 
 def all_reduce_async(

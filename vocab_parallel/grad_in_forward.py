@@ -53,7 +53,7 @@ from vocab_parallel import precision
 from vocab_parallel.autograd import guarded_backward, no_autocast, shard_gradients, sum_grad_input
 from vocab_parallel.distributed import all_reduce, all_reduce_async, world_size
 from vocab_parallel.reduction import mean_denominator
-from vocab_parallel.stats import Call, TokenStats, forward_stats, local_targets, reduce_statistics
+from vocab_parallel.stats import Call, RowStats, forward_stats, local_targets, reduce_statistics
 
 # Bytes of the fp32 [R, V_local] logits chunk, per device type: 128 MiB keeps CPU GEMMs
 # near their best rate (256 rows at V_local = 131072: 14% faster than 128 rows) with less
@@ -217,7 +217,7 @@ class GradInForwardLinearCE(torch.autograd.Function):
     def _recompute(ctx, grad_loss, need):
         """The gradients again, memory-saving style (a second backward of the graph)."""
         hidden, weight, bias, local_target, token_grad, *stats = ctx.saved_tensors
-        token = TokenStats(None, *stats)
+        token = RowStats(None, *stats)
         accum = precision.accumulate_dtype(hidden.dtype)
         grad = token_grad * grad_loss.to(accum)
         grads = shard_gradients(ctx.call, grad, hidden, weight, bias, local_target, token, need)

@@ -11,11 +11,15 @@ Per row ``i`` and shard column ``j`` (``t_i``: the row's local target column, -1
 target is on another shard or ignored):
 
     z_ij = cap(x_i @ W_j + b_j) * inv_temperature_i           (:class:`Logits`)
-    G_ij = (p_ij * prob_scale_i - on_target_i [j == t_i] - smooth * class_weight_j)
+    G_ij = (p_ij * (prob_scale_i + entropy_i * (z_ij - max_i))
+            - on_target_i [j == t_i] - smooth * class_weight_j)
            * grad_i * inv_temperature_i * cap'(r_ij)             (:class:`GradTerms`)
 
 with ``p_ij = exp(z_ij - logits_max_i) / sum_exp_i`` (or a saved softmax), ``cap(r) = c
-tanh(r / c)`` for ``softcap`` c (else the identity), ``cap'`` its derivative. ``G`` is
+tanh(r / c)`` for ``softcap`` c (else the identity), ``cap'`` its derivative. The
+``entropy`` term (0 for the loss) is what the gradient of an entropy adds: ``p_j (z_j -
+max)`` is ``p_j log p_j`` up to a per-row constant, which ``prob_scale`` carries
+(``vocab_parallel.token_stats``). ``G`` is
 rounded to the input dtype once; ``grad_input = G @ W``, ``grad_weight = G.T @ x``,
 ``grad_bias = G.sum(0)``, accumulated in fp32 (``vocab_parallel.precision``).
 """
@@ -53,6 +57,8 @@ class GradTerms:
     Softmax source, in order: ``softmax`` (fp32 ``[BT, V]``), else ``logits`` (the saved
     ``z``, with the statistics), else recomputed ``z`` (with the statistics).
     ``reuse_logits``: ``G`` may overwrite the saved ``logits``.
+    ``entropy``: fp32 ``[BT]`` factor of ``p_ij (z_ij - logits_max_i)`` (None: 0); needs
+    the logits (recomputed or saved), never a saved softmax.
     """
 
     grad: torch.Tensor
@@ -65,6 +71,7 @@ class GradTerms:
     softmax: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     reuse_logits: bool = False
+    entropy: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,12 +95,28 @@ class Outputs:
 
 
 class LocalStats(NamedTuple):
-    """A shard's per-row statistics of ``z``, each ``[BT]`` fp32 (float64 for float64)."""
+    """A shard's per-row statistics of ``z``, each ``[BT]`` fp32 (float64 for float64).
+    The last two only when asked for (``extra_stats``; the token statistics' entropy and
+    sum of squared probabilities), else None."""
 
     max: torch.Tensor  # max_j z_ij (-inf for a shard of no columns)
     sum_exp: torch.Tensor  # sum_j exp(z_ij - max)
     predicted: torch.Tensor  # z_i[t_i] where the target is here, else 0
     logit_sum: torch.Tensor  # sum_j class_weight_j z_ij (zeros unless asked for)
+    shifted_sum: torch.Tensor | None = None  # sum_j exp(z_ij - max) (z_ij - max)
+    exp2_sum: torch.Tensor | None = None  # sum_j exp(2 (z_ij - max))
+
+    def rescaled_extras(self, shift: torch.Tensor) -> list[torch.Tensor]:
+        """The shifted and squared sums moved from this max ``m`` to ``shift`` (>= m, per
+        row): ``e^(m - shift) (shifted + (m - shift) sum)`` and ``e^(2 (m - shift)) exp2``,
+        so that they add up over shards, splits or chunks; [] when there are none. A zero
+        sum (a shard of no columns, ``m = -inf``) moves to 0, never ``-inf * 0``."""
+        if self.shifted_sum is None:
+            return []
+        d = self.max - shift
+        decay = torch.exp(d)
+        moved = torch.where(self.sum_exp > 0, self.shifted_sum + d * self.sum_exp, 0.0)
+        return [moved * decay, self.exp2_sum * decay.square()]
 
 
 class Grads(NamedTuple):
@@ -119,9 +142,11 @@ class Backend(Protocol):
         logits_out: torch.Tensor | None = None,
         logit_sum: bool = False,
         class_weight: torch.Tensor | None = None,
+        extra_stats: bool = False,
     ) -> LocalStats:
         """:class:`LocalStats` of ``z``; ``logits_out`` (``[BT, V]``, the statistics' dtype)
-        receives ``z`` when given; the logit sum is weighted by ``class_weight``."""
+        receives ``z`` when given; the logit sum is weighted by ``class_weight``;
+        ``extra_stats``: also ``shifted_sum`` and ``exp2_sum``."""
         ...
 
     def fused_backward(

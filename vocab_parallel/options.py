@@ -159,6 +159,38 @@ class LossOptions:
         return isinstance(self.temperature, torch.Tensor) or self.temperature != 1.0
 
 
+@dataclass(frozen=True)
+class StatsRequest:
+    """Which per-token outputs :func:`~vocab_parallel.token_stats.vocab_parallel_token_stats`
+    computes beside the log-probs (``docs/design.md``, "Token statistics"): they change
+    what is computed and exchanged, not the math of the logits (that is
+    :class:`LossOptions`)."""
+
+    entropy: bool = False
+    sum_p_squared: bool = False
+    top_k: int = 0
+    argmax: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("entropy", "sum_p_squared", "argmax"):
+            check_flag(name, getattr(self, name))
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"top_k: expected an int >= 0, got {type(k).__name__}")
+        if k < 0:
+            raise ValueError(f"top_k: expected an int >= 0, got {k}")
+
+    @property
+    def extra_stats(self) -> bool:
+        """Whether the local statistics carry the shifted and squared sums."""
+        return self.entropy or self.sum_p_squared
+
+    @property
+    def candidates(self) -> int:
+        """Candidates per token each rank brings to the top-k exchange (argmax: 1)."""
+        return max(self.top_k, 1 if self.argmax else 0)
+
+
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
 # Options that a head sets itself from its shard.
 LAYOUT_OPTIONS = frozenset({"vocab_start_index", "global_vocab_size"})

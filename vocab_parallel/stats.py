@@ -60,10 +60,13 @@ class Call:
 
 
 @dataclass(frozen=True, eq=False)
-class TokenStats:
+class RowStats:
     """Per-token results of the all-reduces (``[BT]``, fp32; float64 for float64 inputs),
     ignored tokens not yet masked. ``target_weight``: ``U`` (None without class weights);
-    ``weight_sum``: ``W``, a 0-d tensor (None without class weights)."""
+    ``weight_sum``: ``W``, a 0-d tensor (None without class weights). ``shifted_sum``
+    and ``exp2_sum``: the global ``sum_j exp(z_j - M) (z_j - M)`` and ``sum_j exp(2 (z_j -
+    M))`` (``M`` = ``logits_max``), when the local statistics carry them (token
+    statistics), else None."""
 
     loss: torch.Tensor
     lse: torch.Tensor
@@ -71,6 +74,8 @@ class TokenStats:
     sum_exp: torch.Tensor
     target_weight: torch.Tensor | None = None
     weight_sum: torch.Tensor | None = None
+    shifted_sum: torch.Tensor | None = None
+    exp2_sum: torch.Tensor | None = None
 
 
 def local_targets(
@@ -84,7 +89,9 @@ def local_targets(
     return torch.where(here, local, -1), ignored
 
 
-def forward_stats(call: Call, hidden, weight, bias, local_target, logits_out=None) -> LocalStats:
+def forward_stats(
+    call: Call, hidden, weight, bias, local_target, logits_out=None, extra_stats=False
+) -> LocalStats:
     """This rank's :class:`LocalStats` of ``hidden`` (the backend of ``call``)."""
     return get_backend(call.backend).forward_stats(
         hidden,
@@ -94,20 +101,22 @@ def forward_stats(call: Call, hidden, weight, bias, local_target, logits_out=Non
         logits_out=logits_out,
         logit_sum=call.opts.label_smoothing > 0,
         class_weight=call.class_weight,
+        extra_stats=extra_stats,
     )
 
 
-def reduce_statistics(stats: LocalStats, local_target: torch.Tensor, call: Call) -> TokenStats:
-    """:class:`TokenStats` from this rank's statistics: the MAX and the SUM all-reduce of
+def reduce_statistics(stats: LocalStats, local_target: torch.Tensor, call: Call) -> RowStats:
+    """:class:`RowStats` from this rank's statistics: the MAX and the SUM all-reduce of
     the group and the loss formula of the module docstring. ``local_target`` (of these
     rows) picks the target's class weight where it is here."""
     opts, cw = call.opts, call.class_weight
     eps, vg = opts.label_smoothing, call.layout.global_size
-    m, s, p, a = stats
+    m, s, p, a = stats[:4]
     group = call.process_group
     logits_max = all_reduce(m.clone(), "MAX", group, "logits_max")
     shift = torch.where(logits_max == float("-inf"), 0.0, logits_max)  # a row of -inf only
-    rows = [s * torch.exp(m - shift), p, a]
+    extras = stats.rescaled_extras(shift)  # ride along in the one SUM all-reduce
+    rows = [s * torch.exp(m - shift), p, a, *extras]
     if cw is not None:
         here = local_target >= 0
         picked = cw.to(s.dtype)[local_target.clamp(min=0)]
@@ -122,7 +131,8 @@ def reduce_statistics(stats: LocalStats, local_target: torch.Tensor, call: Call)
         weight_sum, sums = sums[0, -1], sums[:, :-1]
     sum_exp, predicted, logit_sum = sums[0], sums[1], sums[2]
     lse = torch.log(sum_exp) + logits_max
-    target_weight = sums[3] if cw is not None else None
+    target_weight = sums[3 + len(extras)] if cw is not None else None
+    shifted_sum, exp2_sum = (sums[3], sums[4]) if extras else (None, None)
     if cw is None:
         loss = lse - (1.0 - eps) * predicted
         if eps:
@@ -133,7 +143,9 @@ def reduce_statistics(stats: LocalStats, local_target: torch.Tensor, call: Call)
             loss = loss + (eps / vg) * (weight_sum * lse - logit_sum)
     if opts.z_loss:
         loss = loss + opts.z_loss * lse.square()
-    return TokenStats(loss, lse, logits_max, sum_exp, target_weight, weight_sum)
+    return RowStats(
+        loss, lse, logits_max, sum_exp, target_weight, weight_sum, shifted_sum, exp2_sum
+    )
 
 
 def grad_terms(call: Call, lse: torch.Tensor, target_weight, weight_sum):
@@ -154,7 +166,7 @@ def grad_terms(call: Call, lse: torch.Tensor, target_weight, weight_sum):
     return prob_scale, on_target, eps / vg
 
 
-def gradient_terms(call: Call, grad, token: TokenStats, **source) -> GradTerms:
+def gradient_terms(call: Call, grad, token: RowStats, **source) -> GradTerms:
     """:class:`GradTerms` of these tokens: the upstream ``grad`` (``[BT]`` or ``[1]``),
     ``token``'s statistics, and ``source`` (``softmax=``, ``logits=``, ``reuse_logits=``)."""
     prob_scale, on_target, smooth = grad_terms(

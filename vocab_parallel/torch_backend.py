@@ -73,6 +73,8 @@ def fused_backward(
     if inv_t is not None:
         scale = scale * inv_t  # d z / d cap(r) = 1 / T
     factor = scale if terms.prob_scale is None else scale * _row(terms.prob_scale, accum)
+    # The entropy's term p * ent * (z - max) (token statistics): needs z, never a softmax.
+    ent = None if terms.entropy is None else scale * _row(terms.entropy, accum)
     smooth = scale * terms.smooth if terms.smooth != 0.0 else None
     cw = None if terms.class_weight is None else terms.class_weight.to(accum)
     on_target = _row(terms.on_target, accum)
@@ -85,6 +87,7 @@ def fused_backward(
 
     def make_g(v0: int, v1: int, x_op: torch.Tensor, w_op: torch.Tensor | None):
         tanh = None  # tanh(r / softcap) of the chunk, for the cap's derivative
+        coef = None  # factor + ent * (z - max), the entropy's per-column factor of p
         if softmax is not None:
             g = softmax[:, v0:v1].to(accum, copy=True)
         else:
@@ -100,8 +103,14 @@ def fused_backward(
                     g = tanh * softcap
                 if inv_t is not None:
                     g.mul_(inv_t)
-            g.sub_(row_max).exp_().div_(row_sum)  # the original operator's order
-        g.mul_(factor)
+            g.sub_(row_max)
+            if ent is not None:  # of p; a -inf logit (p = 0) gets a finite factor
+                coef = torch.nan_to_num(g, nan=float("nan"), neginf=0.0).mul_(ent).add_(factor)
+            g.exp_().div_(row_sum)  # exp(z - max) / sum: the original operator's order
+        if coef is None:
+            g.mul_(factor)
+        else:
+            g.mul_(coef)
         if smooth is not None:
             g.sub_(smooth if cw is None else smooth * cw[v0:v1])
         # One-hot: subtract where the target falls into this chunk.
@@ -153,6 +162,7 @@ def forward_stats(
     logits_out: torch.Tensor | None = None,
     logit_sum: bool = False,
     class_weight: torch.Tensor | None = None,
+    extra_stats: bool = False,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> LocalStats:
     """:class:`LocalStats` of ``z = cap(x @ weight.T + bias) / T`` in one online pass over
@@ -161,6 +171,10 @@ def forward_stats(
     ``logits_out`` (``[BT, V]``, the statistics' dtype) receives ``z`` when given, and the
     chunk products are then written straight into it. ``logit_sum``: also the sum of ``z``
     weighted by ``class_weight`` (``[V]``, None: 1), which only label smoothing needs.
+    ``extra_stats``: also ``shifted_sum = sum_j exp(z - max) (z - max)`` and ``exp2_sum =
+    sum_j exp(2 (z - max))`` (the token statistics' entropy and sum of squared
+    probabilities), kept online like the sum: when the max grows from ``m`` to ``m'`` they
+    become ``e^(m - m') (shifted + (m - m') sum)`` and ``e^(2 (m - m')) exp2``.
     A chunk whose logits are all ``-inf`` (a masking bias) adds nothing (see the running
     maximum's start below); a row whose logits are all ``-inf`` has the most negative
     finite max and a zero sum.
@@ -172,8 +186,11 @@ def forward_stats(
     row_sum = torch.zeros(bt, **f32)
     pred = torch.zeros(bt, **f32)
     lsum = torch.zeros(bt, **f32)
+    shifted = torch.zeros(bt, **f32) if extra_stats else None
+    exp2 = torch.zeros(bt, **f32) if extra_stats else None
     if bt == 0 or v == 0:
-        return LocalStats(torch.full((bt,), float("-inf"), **f32), row_sum, pred, lsum)
+        m = torch.full((bt,), float("-inf"), **f32)
+        return LocalStats(m, row_sum, pred, lsum, shifted, exp2)
     # The running max starts at the most negative finite value, not -inf (as in the Triton
     # kernel): a chunk of -inf logits (a masking bias) adds exp(-inf - m) = 0 and rescales
     # by exp(0) = 1, never exp(-inf + inf) = NaN.
@@ -200,8 +217,28 @@ def forward_stats(
         if logit_sum:  # only label smoothing needs it: skip the pass otherwise
             lsum += z.sum(dim=1) if cw is None else torch.mv(z, cw[v0:v1])
         new_max = torch.maximum(row_max, z.max(dim=1).values)
-        row_sum.mul_(torch.exp(row_max - new_max))
-        row_sum.add_(_sum_exp(z, new_max[:, None], in_place=out is None))
+        if extra_stats:
+            _extra_stats_(z, row_max, new_max, row_sum, shifted, exp2, in_place=out is None)
+        else:
+            row_sum.mul_(torch.exp(row_max - new_max))
+            row_sum.add_(_sum_exp(z, new_max[:, None], in_place=out is None))
         row_max = new_max
         del z  # free this chunk before the next one is allocated
-    return LocalStats(row_max, row_sum, pred, lsum)
+    return LocalStats(row_max, row_sum, pred, lsum, shifted, exp2)
+
+
+def _extra_stats_(z, row_max, new_max, row_sum, shifted, exp2, in_place: bool) -> None:
+    """The online update of ``row_sum``, ``shifted`` and ``exp2`` (in place) by one chunk
+    ``z`` whose rows raise the running max from ``row_max`` to ``new_max``. A row whose sum
+    is still 0 has no shifted sum to move (``(m - m') * 0`` could be ``-inf * 0``)."""
+    step = row_max - new_max  # <= 0
+    decay = torch.exp(step)
+    moved = torch.where(row_sum > 0, shifted + step * row_sum, 0.0)
+    shifted.copy_(moved.mul_(decay))
+    exp2.mul_(decay.square())
+    row_sum.mul_(decay)
+    zm = z.sub_(new_max[:, None]) if in_place else z - new_max[:, None]
+    e = torch.exp(zm)
+    row_sum.add_(e.sum(dim=1))
+    shifted.add_(torch.einsum("ij,ij->i", e, torch.where(e > 0, zm, 0.0)))
+    exp2.add_(e.square_().sum(dim=1))

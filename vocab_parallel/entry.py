@@ -1,0 +1,270 @@
+"""What every public entry does before its autograd Function: :func:`prepare_call`.
+
+The loss, its module, the LM head, the integrations and the token statistics all take
+their tensors through here: DTensor inputs unwrapped (``vocab_parallel.dtensor``), the
+tensors cast as ``F.linear`` would under autocast, validated (every message starts with
+the parameter's name), the ranks' agreement checked (``vocab_parallel.agreement``), the
+tokens of the group gathered under sequence parallelism, the shard layout resolved and
+the target ids checked (``vocab_parallel.layout``, ``vocab_parallel.checks``). What comes
+out is one :class:`~vocab_parallel.stats.Call` and the flattened tensors
+(``docs/design.md``, "One seam").
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from vocab_parallel import precision
+from vocab_parallel import sequence_parallel as _sp
+from vocab_parallel.agreement import check_agreement, fingerprint
+from vocab_parallel.backend import resolve_backend
+from vocab_parallel.checks import check_member, check_targets
+from vocab_parallel.distributed import world_size
+from vocab_parallel.layout import resolve_layout
+from vocab_parallel.options import LossOptions, StatsRequest
+from vocab_parallel.reduction import check_num_items_in_batch
+from vocab_parallel.stats import Call
+
+
+class Prepared(NamedTuple):
+    """A call ready for its autograd Function: ``hidden [N, H]``, ``target [N]`` (int64;
+    all tokens of the group under sequence parallelism, ``slices`` then says which are
+    this rank's), the cast ``weight`` and ``bias``."""
+
+    call: Call
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    target: torch.Tensor
+    slices: _sp.TokenSlices | None
+
+
+def autocast_inputs(*tensors):
+    """``tensors`` cast as ``F.linear`` casts its inputs under autocast: when autocast is on
+    for their device type, floating tensors on that device (not float64 ones) go to
+    ``torch.get_autocast_dtype``. The casts are ordinary autograd ops, so gradients
+    reach fp32 master weights in their dtype. Anything else is returned as it is."""
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor):
+        return tensors
+    device_type = first.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except (RuntimeError, ValueError, TypeError):  # a device type without autocast
+        return tensors
+    if not enabled:
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        eligible = (
+            isinstance(t, torch.Tensor)
+            and t.is_floating_point()
+            and t.dtype != torch.float64
+            and t.device.type == device_type
+        )
+        return t.to(dtype) if eligible else t
+
+    return tuple(cast(t) for t in tensors)
+
+
+def _check_tensors(hidden, weight, target, opts: LossOptions) -> None:
+    """The tensors of a call, against each other (messages name the parameter)."""
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
+    if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(
+            f"hidden: expected dtype float16, bfloat16, float32 or float64, got {hidden.dtype}"
+        )
+    if hidden.dim() < 1:
+        raise ValueError("hidden: expected a tensor of shape [..., H], got a 0-d tensor")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("weight: expected a 2-D torch.Tensor [V_local, H]")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target: expected a torch.Tensor, got {type(target).__name__}")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"target: expected an integer dtype, got {target.dtype}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"target: expected shape {tuple(hidden.shape[:-1])} (hidden without its last "
+            f"dim), got {tuple(target.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"weight: dtype {weight.dtype} differs from hidden dtype {hidden.dtype}; "
+            "they must be equal"
+        )
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight: expected shape [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}"
+        )
+    bias, cw, temp = opts.bias, opts.class_weight, opts.temperature
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(
+            f"bias: dtype {bias.dtype} differs from weight dtype {weight.dtype}; they must be equal"
+        )
+    for name, rows in (("bias", bias), ("class_weight", cw)):
+        if rows is not None and tuple(rows.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"{name}: expected shape [{weight.shape[0]}] (the rows of weight), got "
+                f"{tuple(rows.shape)}"
+            )
+    if cw is not None and not cw.is_floating_point():
+        raise TypeError(f"class_weight: expected a floating-point tensor, got {cw.dtype}")
+    if isinstance(temp, torch.Tensor) and tuple(temp.shape) != tuple(target.shape):
+        raise ValueError(
+            f"temperature: expected a float or a tensor of the shape of target "
+            f"{tuple(target.shape)}, got shape {tuple(temp.shape)}"
+        )
+    tensors = (("weight", weight), ("target", target), ("bias", bias), ("class_weight", cw))
+    tensors += (("temperature", temp if isinstance(temp, torch.Tensor) else None),)
+    for name, t in tensors:
+        if t is not None and t.device != hidden.device:
+            raise ValueError(
+                f"{name}: on device {t.device}, but hidden is on {hidden.device}; "
+                "all tensors must be on one device"
+            )
+
+
+def _inverse_temperature(opts: LossOptions, tokens: torch.Tensor, dtype, check: bool):
+    """``[N]`` inverse temperature of the call's (gathered) tokens in ``dtype`` (fp32, or
+    float64 for float64 inputs), or None for 1."""
+    temp = opts.temperature
+    if not opts.scaled:
+        return None
+    if not isinstance(temp, torch.Tensor):
+        return torch.full(tokens.shape, 1.0 / temp, dtype=dtype, device=tokens.device)
+    temp = temp.detach().reshape(-1).to(dtype)
+    if check:
+        bad = ~((temp > 0) & torch.isfinite(temp))
+        message = "temperature: expected finite values > 0"
+        if temp.device.type == "cuda":
+            torch._assert_async(~bad.any(), message)
+        elif bad.any():
+            where = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{message}, got {float(temp[where])} at position {where}")
+    return temp.reciprocal()
+
+
+def _not_traceable(fn):
+    """``fn`` kept out of ``torch.compile`` graphs, with the reason ``fullgraph=True``
+    reports: the agreement of the ranks reads its collective's result on the host."""
+    reason = (
+        "vocab_parallel: the ranks' agreement check (check_inputs=True under tensor "
+        "parallelism) reads its collective's result on the host and cannot be traced; "
+        "pass check_inputs=False to compile the loss with fullgraph=True"
+    )
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # a torch without the reason argument
+        return torch.compiler.disable(fn)
+
+
+_agree = _not_traceable(check_agreement)
+
+
+def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items_in_batch):
+    """The call's tensors unwrapped (DTensors), cast (autocast) and validated, and the
+    backend that runs them: ``(hidden, weight, target, bias, opts, process_group, which)``."""
+    if num_items_in_batch is not None:
+        check_num_items_in_batch(num_items_in_batch)
+        if opts.reduction != "sum":
+            raise ValueError(
+                f"reduction: {opts.reduction!r} cannot be combined with num_items_in_batch "
+                "(the loss is then the sum divided by num_items_in_batch); pass 'sum'"
+            )
+    if "torch.distributed.tensor" in sys.modules:  # DTensor inputs (vocab_parallel.dtensor)
+        from vocab_parallel.dtensor import unwrap_inputs
+
+        hidden, weight, target, opts, process_group = unwrap_inputs(
+            hidden, weight, target, opts, process_group
+        )
+        check_member(process_group)
+    hidden, weight, bias = autocast_inputs(hidden, weight, opts.bias)
+    opts = opts if bias is opts.bias else opts.replace(bias=bias)
+    _check_tensors(hidden, weight, target, opts)
+    which = resolve_backend(opts.backend, hidden.device, hidden.dtype, "hidden")
+    return hidden, weight, target, bias, opts, process_group, which
+
+
+def prepare_call(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    opts: LossOptions,
+    process_group: dist.ProcessGroup | None,
+    resolve_mode: Callable[[LossOptions, bool, torch.dtype], str],
+    *,
+    num_items_in_batch: Any = None,
+    request: StatsRequest | None = None,
+    check: Callable[[LossOptions], None] | None = None,
+) -> Prepared:
+    """The :class:`Prepared` call of an entry.
+
+    ``resolve_mode(opts, track, dtype)``: the entry's mode (``track``: whether a backward
+    can follow). ``request``: the token statistics asked for (compared across ranks like
+    the options). ``check(opts)``: the entry's own checks of its options, raised like
+    the others. With ``check_inputs`` the ranks of the group first compare what must agree
+    (``vocab_parallel.agreement``): a difference, or arguments refused on one rank, raise
+    on every rank alike before any collective whose size depends on the inputs."""
+    check_member(process_group)
+    try:
+        if check is not None:
+            check(opts)
+        hidden, weight, target, bias, opts, process_group, which = _prepare(
+            hidden, weight, target, opts, process_group, num_items_in_batch
+        )
+    except (TypeError, ValueError) as err:
+        if opts.check_inputs and world_size(process_group) > 1:  # the others must not wait
+            device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+            _agree(None, process_group, device, own_error=err)
+        raise
+    t1 = target.reshape(-1).to(torch.int64)
+    h2 = hidden.reshape(t1.shape[0], hidden.shape[-1])  # not (-1, H): H may be 0
+    if opts.check_inputs and world_size(process_group) > 1:
+        _agree(fingerprint(opts, h2, weight, t1, request), process_group, hidden.device)
+    temp, accum = opts.temperature, precision.accumulate_dtype(hidden.dtype)
+    slices = None  # sequence_parallel: all tokens of the group, gathered
+    if opts.sequence_parallel:
+        extra = temp.reshape(-1).to(accum) if isinstance(temp, torch.Tensor) else None
+        h2, t1, slices, extra = _sp.gather_tokens(h2, t1, process_group, extra=extra)
+        if extra is not None:
+            opts = opts.replace(temperature=extra)
+    layout = resolve_layout(
+        weight.shape[0],
+        process_group,
+        opts.vocab_start_index,
+        opts.global_vocab_size,
+        t1.shape[0],
+        hidden.device,
+        recheck=opts.check_inputs and hidden.device.type == "cpu",
+        trust=not opts.check_inputs,
+    )
+    if opts.check_inputs:
+        alone = world_size(process_group) == 1
+        rows = (layout.start, layout.start + layout.size) if alone else None
+        check_targets(t1, opts.ignore_index, layout.global_size, rows)
+    if request is not None and request.candidates > layout.global_size:
+        raise ValueError(
+            f"top_k: expected at most the global vocabulary size {layout.global_size}, "
+            f"got {request.top_k}"
+        )
+    inputs = (h2, weight) if bias is None else (h2, weight, bias)
+    track = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    cw = opts.class_weight
+    call = Call(
+        opts=opts,
+        process_group=process_group,
+        layout=layout,
+        backend=which,
+        mode=resolve_mode(opts, track, h2.dtype),
+        track=track,
+        class_weight=None if cw is None else cw.detach().to(accum),
+        inv_temperature=_inverse_temperature(opts, t1, accum, opts.check_inputs),
+    )
+    return Prepared(call, h2, weight, bias, t1, slices)

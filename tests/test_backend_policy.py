@@ -124,7 +124,7 @@ def test_cuda_branch_accumulates_logits_and_products_in_fp32(monkeypatch):
     cuda = torch_backend.forward_stats(x, w, target)
     assert operands and set(operands) == {(torch.bfloat16, torch.bfloat16)}  # the CUDA branch
     for a, b in zip(cuda, cpu, strict=True):  # the same fp32 accumulation: bitwise equal
-        assert torch.equal(a, b)
+        assert (a is None and b is None) or torch.equal(a, b)
     lse = torch.log(cuda[1]) + cuda[0]
     err_new = ((lse.double() - lse64).abs() / lse64.abs()).max().item()
 

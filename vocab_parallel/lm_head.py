@@ -26,7 +26,20 @@ from vocab_parallel import options as _options
 from vocab_parallel.distributed import world_size
 from vocab_parallel.layout import shard_bounds
 from vocab_parallel.loss import LossOutput, run_loss
-from vocab_parallel.options import LAYOUT_OPTIONS, OPTION_NAMES, LossOptions, shown_options
+from vocab_parallel.options import (
+    LAYOUT_OPTIONS,
+    OPTION_NAMES,
+    LossOptions,
+    StatsRequest,
+    shown_options,
+)
+from vocab_parallel.token_stats import TOKEN_STATS_MODES, TokenStats, run_token_stats
+
+# The head's options that also shape its token statistics (the logits and execution).
+TOKEN_STATS_OPTIONS = (
+    "ignore_index", "softcap", "temperature", "mode", "backend", "check_inputs",
+    "sequence_parallel",
+)  # fmt: skip
 
 
 def mark_tensor_parallel(param: torch.Tensor, partition_dim: int = 0) -> torch.Tensor:
@@ -219,6 +232,44 @@ class VocabParallelLMHead(nn.Module):
             changes["bias"] = self.bias
         opts = self.options.replace(**changes)
         return run_loss(hidden, self.weight, target, opts, self.process_group, num_items_in_batch)
+
+    def token_stats(
+        self,
+        hidden: torch.Tensor,
+        target: torch.Tensor,
+        *,
+        entropy: bool = False,
+        sum_p_squared: bool = False,
+        top_k: int = 0,
+        argmax: bool = False,
+        **options: Any,
+    ) -> TokenStats:
+        """Per-token log-probs of ``target`` (and entropy, sum of squared probabilities,
+        top-k, argmax) under this head: :func:`vocab_parallel.vocab_parallel_token_stats`
+        with the head's shard, bias and logits options (``softcap``, ``temperature``,
+        ``ignore_index``, ``backend``, ``sequence_parallel``...); ``options`` override
+        those for this call (e.g. a per-token rollout ``temperature``). The loss-only
+        options (label smoothing, z-loss, class weights, reduction) do not apply; a head
+        whose mode is ``"grad_in_forward"`` computes them in ``"auto"`` mode."""
+        unknown = sorted(set(options) - set(TOKEN_STATS_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"{unknown[0]}: not an option of token_stats (its options: "
+                f"{', '.join(TOKEN_STATS_OPTIONS)})"
+            )
+        chosen = {name: getattr(self.options, name) for name in TOKEN_STATS_OPTIONS}
+        if chosen["mode"] not in TOKEN_STATS_MODES:
+            chosen["mode"] = "auto"
+        chosen.update(options)
+        opts = LossOptions(
+            reduction="none",
+            bias=self.bias,
+            vocab_start_index=self.vocab_start_index,
+            global_vocab_size=self.vocab_size,
+            **chosen,
+        )
+        request = StatsRequest(entropy, sum_p_squared, top_k, argmax)
+        return run_token_stats(hidden, self.weight, target, opts, request, self.process_group)
 
     def extra_repr(self) -> str:
         shown = shown_options(self.options)

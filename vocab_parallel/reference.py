@@ -151,3 +151,45 @@ def naive_loss_grad(grad, x, w, not_here, target, lmax, sumexp, softmax):
     onehot = torch.zeros_like(probs).scatter_(1, target.long()[:, None], here)
     g = ((probs - onehot) * grad[:, None]).to(x.dtype).to(cdt)
     return (g @ wc).to(x.dtype), (g.T @ xc).to(x.dtype)
+
+
+def token_stats_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    top_k: int = 0,
+) -> dict[str, torch.Tensor]:
+    """The token statistics on materialised float64 logits ``z = softcap(hidden @ W.T +
+    b) / T`` (``weight``: the full ``[V, H]``), as differentiable functions of the inputs:
+    ``logprobs``, ``entropy``, ``sum_p_squared``, ``topk_logprobs``/``topk_ids`` (ties to
+    the lower id: a stable sort) and ``argmax``; 0 (ids -1) where ``target`` is ignored."""
+    z = hidden.double() @ weight.double().T
+    if bias is not None:
+        z = z + bias.double()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if isinstance(temperature, torch.Tensor):
+        z = z / temperature.double().reshape(z.shape[:-1])[..., None]
+    else:
+        z = z / temperature
+    ignored = target == ignore_index
+    lp = torch.log_softmax(z, dim=-1)
+    p = lp.exp()
+    picked = lp.gather(-1, target.clamp(min=0)[..., None]).squeeze(-1)
+    order = z.detach().sort(dim=-1, descending=True, stable=True).indices
+    out = {
+        "logprobs": picked.masked_fill(ignored, 0.0),
+        "entropy": -(p * lp).sum(-1).masked_fill(ignored, 0.0),
+        "sum_p_squared": (p * p).sum(-1).masked_fill(ignored, 0.0),
+        "argmax": order[..., 0].masked_fill(ignored, -1),
+    }
+    if top_k:
+        ids = order[..., :top_k]
+        out["topk_logprobs"] = lp.gather(-1, ids).masked_fill(ignored[..., None], 0.0)
+        out["topk_ids"] = ids.masked_fill(ignored[..., None], -1)
+    return out

@@ -34,6 +34,7 @@ operator validates, this launcher allocates and launches.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -239,6 +240,15 @@ def _flags(source: str) -> list[tuple[bool, bool]]:
     return [(b, c) for b in biases for c in (False, True)]
 
 
+def _entropy_tile(tile: TileConfig, entropy: bool, softcap: bool) -> TileConfig:
+    """The entropy's term with a softcap holds ``z - max``, ``tanh`` and the softmax tile
+    at once: half the columns again (else 255 registers on sm_100,
+    ``scripts/aot_compile.py --match ENTROPY``)."""
+    if entropy and softcap:
+        return dataclasses.replace(tile, BLOCK_N=max(32, tile.BLOCK_N // 2))
+    return tile
+
+
 def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
     """Every ``(kernel, input dtype, constexprs and launch options)`` this launcher can
     choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
@@ -252,6 +262,7 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
             for dtype in (torch.float16, torch.bfloat16, torch.float32):
                 heavy = has_bias or softcap or scaled
                 for tile in tile_configs(_kernel_name(source), dtype, capability, heavy):
+                    tile = _entropy_tile(tile, entropy, softcap)
                     meta = _meta(dtype, source, has_bias, softcap, scaled, tile, entropy)
                     variants.append((_logits_grad_kernel, dtype, meta))
     return variants
@@ -302,6 +313,7 @@ def fused_backward(
     )
     heavy = has_bias or softcap is not None or scaled  # see tile_config
     tile = tile_config(_kernel_name(source), x.dtype, capability, bt, heavy)
+    tile = _entropy_tile(tile, entropy, softcap is not None)
     meta = _meta(x.dtype, source, has_bias, softcap is not None, scaled, tile, entropy)
     target = local_target.contiguous()
     grad = terms.grad.float().contiguous()

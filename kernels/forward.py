@@ -207,7 +207,7 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
         if logit_sum and extra:
             continue
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for tile in tile_configs("forward_stats", dtype, capability):
+            for tile in tile_configs("forward_stats", dtype, capability, heavy_epilogue=extra):
                 meta = _meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile, extra)
                 variants.append((_forward_stats_kernel, dtype, meta))
     return variants
@@ -240,7 +240,8 @@ def forward_stats(
     if bt == 0 or v == 0:
         zeros = [torch.zeros(bt, **f32) for _ in range(5 if extra_stats else 3)]
         return LocalStats(torch.full((bt,), float("-inf"), **f32), *zeros)
-    tile = tile_config("forward_stats", x.dtype, device_capability(x.device), bt)
+    capability = device_capability(x.device)
+    tile = tile_config("forward_stats", x.dtype, capability, bt, heavy_epilogue=extra_stats)
     n_tiles = triton.cdiv(v, tile.BLOCK_N)
     n_row_blocks = triton.cdiv(bt, tile.BLOCK_M)
     splits = _num_splits(n_row_blocks, n_tiles, x.device)

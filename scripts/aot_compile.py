@@ -2,6 +2,7 @@
 
     python scripts/aot_compile.py                 # sm_80, sm_90, sm_100: a table
     python scripts/aot_compile.py --json out.json --jobs 2 --targets 90
+    python scripts/aot_compile.py --match ENTROPY     # only the variants with that flag
 
 No GPU is needed: ``triton.compile`` lowers each variant (kernel x input dtype x mode
 constexprs x tile of that target, as listed by ``launch_variants`` next to each launcher)
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--json", help="also write the rows (and skipped targets) here")
     p.add_argument("--specs", nargs="+", choices=SPECS, default=list(SPECS))
+    p.add_argument("--match", help="only variants whose description contains this (e.g. ENTROPY)")
     args = p.parse_args(argv)
 
     skipped = [a for a in args.targets if a >= 100 and not toolchain_supports(a)]
@@ -213,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [
         (a, i, spec)
         for a in targets
-        for i in range(len(variants(divmod(a, 10))))
+        for i, (kernel, dtype, meta) in enumerate(variants(divmod(a, 10)))
+        if args.match is None or args.match in describe(kernel, dtype, meta)
         for spec in args.specs
     ]
     spawn = multiprocessing.get_context("spawn")  # no fork of a process with threads

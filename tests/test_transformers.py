@@ -899,3 +899,35 @@ def test_deepspeed_dp_and_autotp_equal_unpatched(tmp_path):
         assert removed["eval_logits"] == (BATCH, SEQ, V), removed["eval_logits"]
         close(removed["eval_loss"], removed["eval_ce"], f"rank {rank}: eval loss vs its logits")
         close(removed["eval_rows"], removed["their_rows"], f"rank {rank}: gathered logits")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_token_stats_from_a_patched_model(tied):
+    """``return_token_stats`` (RL): log-probs and entropy of the shifted labels, equal to
+    those of the unpatched model's logits, with gradients; no logits, in eval mode too."""
+    ref_model = make_model("llama", tied)
+    model = make_model("llama", tied)
+    apply_vocab_parallel_loss(model)
+    ids, labels = micro_batches(0)[0]
+    temp = 0.7
+    model.eval()  # a reference model: no logits all the same
+    out = model(ids, labels=labels, return_token_stats=dict(entropy=True, temperature=temp))
+    assert out.logits is None and out.loss is None
+    stats = out.token_stats
+    logits = ref_model(ids).logits.double() / temp
+    lp = torch.log_softmax(logits, dim=-1)
+    target = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    ignored = target == -100
+    want_lp = lp.gather(-1, target.clamp(min=0)[..., None]).squeeze(-1).masked_fill(ignored, 0)
+    want_h = -(lp.exp() * lp).sum(-1).masked_fill(ignored, 0)
+    torch.testing.assert_close(stats.logprobs.double(), want_lp, rtol=0, atol=2e-5)
+    torch.testing.assert_close(stats.entropy.double(), want_h, rtol=0, atol=2e-5)
+    a, b = torch.randn(target.shape), torch.randn(target.shape)
+    (a * stats.logprobs + b * stats.entropy).sum().backward()
+    (a.double() * want_lp + b.double() * want_h).sum().backward()
+    for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="^return_token_stats: needs labels"):
+        model(ids, return_token_stats=True)
+    with pytest.raises(TypeError, match="^return_token_stats:"):
+        model(ids, labels=labels, return_token_stats="entropy")

@@ -80,6 +80,13 @@ A head with a bias (Phi) passes it to the loss's ``bias`` option; Gemma 2/3's
 ``NotImplementedError`` naming the config field: models that scale their logits
 (``logit_scale``), add a router loss (``output_router_logits``) or are encoder-decoders.
 With ``return_lse=True`` the output also has ``lse`` (per position, 0 where ignored).
+
+**Token statistics (RL)**: ``model(input_ids, labels=labels, return_token_stats=True)``
+(or a dict of :meth:`VocabParallelLMHead.token_stats` options: ``dict(entropy=True,
+top_k=5, temperature=0.7)``) returns, instead of the loss, ``out.token_stats``: a
+:class:`vocab_parallel.TokenStats` per position (shifted as the loss: position ``t``
+scores ``labels[t + 1]``), log-probs and entropy differentiable; no logits, in eval mode
+too (a reference model), unless ``return_logits=True``.
 With ``sequence_parallel=True`` pass ``shift_labels`` (the shift crosses the ranks' slices).
 
 ``transformers`` is imported inside the functions only: importing this module does not
@@ -377,10 +384,16 @@ def _named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) ->
 def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
     patch: _Patch = model.__dict__[_STATE]
     return_logits = kwargs.pop("return_logits", None)
+    stats_args = _token_stats_args(kwargs.pop("return_token_stats", None))
     named = _named_arguments(patch.signature, args, kwargs)
     wants_loss = named is not None and (
         named.get("labels") is not None or named.get("shift_labels") is not None
     )
+    if stats_args is not None and not wants_loss:
+        raise ValueError(
+            "return_token_stats: needs labels (or shift_labels): the tokens whose log-probs "
+            "are computed (e.g. the sampled response tokens, -100 elsewhere)"
+        )
     # No loss asked for: the original forward, unchanged; but not with our own head as
     # lm_head, which the original forward would call without targets.
     own_head = isinstance(model.get_output_embeddings(), VocabParallelLMHead)
@@ -400,6 +413,8 @@ def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
         )
     sequence_parallel = bool(head.loss_options.get("sequence_parallel"))
     want_logits = _wants_logits(model, patch, return_logits, logits_to_keep, wants_loss)
+    if stats_args is not None and return_logits is None:
+        want_logits = False  # a reference model in eval mode: still no logits
     if want_logits and sequence_parallel:
         if return_logits:
             raise ValueError(
@@ -418,7 +433,7 @@ def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
     outputs = model.base_model(**named)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
 
-    loss, extras = None, ()
+    loss, extras, token_stats = None, (), None
     if wants_loss:
         target = loss_args["shift_labels"]
         if target is None:  # ForCausalLMLoss's shift: position t predicts labels[t + 1]
@@ -430,11 +445,14 @@ def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
                 )
             target = F.pad(loss_args["labels"], (0, 1), value=ignore_index)[..., 1:]
         device = head.weight.device
-        loss = head(
-            hidden.to(device),
-            target.to(device),
-            num_items_in_batch=loss_args["num_items_in_batch"],
-        )
+        if stats_args is not None:  # the token statistics instead of the loss
+            token_stats = head.token_stats(hidden.to(device), target.to(device), **stats_args)
+        else:
+            loss = head(
+                hidden.to(device),
+                target.to(device),
+                num_items_in_batch=loss_args["num_items_in_batch"],
+            )
         if isinstance(loss, tuple):  # return_lse=True: (loss, lse)
             loss, *extras = loss
 
@@ -452,9 +470,27 @@ def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
     out = CausalLMOutputWithPast(loss=loss, logits=logits, **extra)
     if extras:
         out["lse"] = extras[0]  # a key of its own (the last item of to_tuple())
+    if token_stats is not None:
+        out["token_stats"] = token_stats
     if return_dict is None:
         return_dict = getattr(getattr(model, "config", None), "return_dict", True)
     return out if return_dict is not False else out.to_tuple()
+
+
+def _token_stats_args(value: Any) -> dict[str, Any] | None:
+    """``return_token_stats``: None (the loss), True (log-probs only) or a dict of
+    :meth:`VocabParallelLMHead.token_stats` keywords (``entropy``, ``top_k``,
+    ``temperature``...)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            "return_token_stats: expected True or a dict of token_stats options (entropy, "
+            f"sum_p_squared, top_k, argmax, temperature...), got {type(value).__name__}"
+        )
+    return dict(value)
 
 
 def _wants_logits(

@@ -161,7 +161,7 @@ def tile_config(
     softcap: ``tanh`` for the cap's derivative; with a bias: its rows); it gets a lighter
     tile (:func:`_lighter`). The forward's bias and softcap fit its tiles as they are; its
     heavy variant is the token statistics' (two more online sums and the shifted logits
-    beside the tile): at most 64 rows in 4 warps, and BLOCK_K 16 for the fp32 FMA tile, else ptxas
+    beside the tile): half the BLOCK_K (fewer operand registers), else ptxas
     spills (``scripts/aot_compile.py --match EXTRA_STATS``).
     """
     if capability is None:
@@ -174,10 +174,8 @@ def tile_config(
         raise ValueError(f"kernel: unknown kernel {kernel!r}")
     if not heavy_epilogue:
         return tile
-    if kernel == "forward_stats":
-        if dtype == torch.float32:
-            return dataclasses.replace(tile, BLOCK_K=16)
-        return dataclasses.replace(tile, BLOCK_M=min(tile.BLOCK_M, 64), num_warps=4)
+    if kernel == "forward_stats":  # half the depth of each product step
+        return dataclasses.replace(tile, BLOCK_K=tile.BLOCK_K // 2)
     tile = _lighter(tile)
     if dtype == torch.float32 and _TRITON_VERSION < (3, 9):  # FMA tiles: BLOCK_K 32 spills
         tile = dataclasses.replace(tile, BLOCK_K=16)  # the heavy epilogue on sm_100 there

@@ -59,3 +59,33 @@ def causal_mask(seq: int) -> torch.Tensor:
     """``[1, 1, seq, seq]`` boolean mask, True where attention is NOT allowed (Megatron's
     convention: future positions)."""
     return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def torchtitan_on_cpu() -> None:
+    """torchtitan's device on CPU gloo ranks.
+
+    - ``torchtitan.distributed.parallel_dims.device_type = "cpu"``: torchtitan picks its
+      device type once at import (``tools.utils.get_device_info``: ``"cuda"`` when no
+      accelerator is found) and builds its device meshes on it.
+    - The tests give each attention layer ``ScaledDotProductAttention`` (``sdpa_model``
+      in the test): the default FlexAttention compiles its kernel, for CUDA.
+    - ``set_force_sum_reduction_for_comms(True)`` on every FSDP module
+      (:func:`fsdp_sum_reduction`): FSDP2 reduce-scatters with ``PREMUL_SUM`` (the gradient
+      divide factor folded into the reduction), which gloo does not have.
+    - ``torch.testing._internal.distributed.fake_pg`` imported: torchtitan builds the mesh
+      dimensions of size 1 on the ``"fake"`` process-group backend, which that module
+      registers (``dist.Backend.register_backend``); this process had not imported it.
+    """
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+    from torchtitan.distributed import parallel_dims
+
+    parallel_dims.device_type = "cpu"
+
+
+def fsdp_sum_reduction(model) -> None:
+    """Plain SUM reductions in every FSDP module of ``model`` (see :func:`torchtitan_on_cpu`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)

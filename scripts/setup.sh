@@ -82,6 +82,16 @@ echo "torch==$torch_version" >"$CONSTRAINTS"
 log "pip install -e '.[test,deepspeed]' (torch $torch_version)"
 DS_BUILD_OPS=0 pip_q install -c "$CONSTRAINTS" -e '.[test,deepspeed]'
 
+# The frameworks of the Megatron-core and torchtitan plug-ins, for their tests, without the
+# dependencies their trainers need (a few seconds): megatron-core declares Python >= 3.12
+# but runs on 3.10+ (its wheel, no dependencies but numpy and packaging); torchtitan's
+# model code needs spmd_types, tyro, torchdata and tokenizers, not datasets, wandb... (pip
+# then reports torchtitan's other requirements as not installed: expected).
+log "pip install megatron-core==0.19.2, torchtitan==0.3.0 (--no-deps, and their small deps)"
+pip_q install -c "$CONSTRAINTS" --no-deps --ignore-requires-python \
+    megatron-core==0.19.2 torchtitan==0.3.0
+pip_q install -c "$CONSTRAINTS" numpy packaging spmd_types==0.2.3 tyro torchdata tokenizers
+
 "$VPY" -c "import torch, vocab_parallel"
 echo "$want_stamp" >"$STAMP"
 log "done: $("$VPY" -c 'import torch, sys

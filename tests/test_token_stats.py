@@ -422,3 +422,24 @@ def test_case_helper_is_not_trivially_true():
     ref = token_stats_reference(x, w, y, temperature=temp)
     assert _rel(out.logprobs, ref["logprobs"]) > 100 * VALUE_TOL
     assert broken != case
+
+
+@pytest.mark.slow
+def test_grpo_example_equals_full_logits_under_torchrun():
+    """``launch/grpo_example.py`` on 2 gloo ranks: the policy loss from token statistics
+    equals the one from materialised logits at every step (the script exits 1 if not)."""
+    import subprocess
+    import sys
+
+    from launch_helpers import ROOT, train_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "launch" / "grpo_example.py"), "--steps", "3", "--vocab", "1031"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line[:4].strip().isdigit()]
+    assert len(rows) == 3
+    for _, ours, full, diff, _ in rows:
+        assert abs(float(ours) - float(full)) <= 1e-5 and float(diff) <= 1e-5
+    assert "ok" in out.stdout.splitlines()[-1]

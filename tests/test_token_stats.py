@@ -443,3 +443,30 @@ def test_grpo_example_equals_full_logits_under_torchrun():
     for _, ours, full, diff, _ in rows:
         assert abs(float(ours) - float(full)) <= 1e-5 and float(diff) <= 1e-5
     assert "ok" in out.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is not installed"))])  # fmt: skip
+@pytest.mark.parametrize("mode", ["memory_saving", "high_performance"])
+def test_masking_bias_of_minus_inf(backend, mode):
+    """A bias of -inf on some columns (masked tokens, p = 0): finite entropy and
+    gradients equal to the reference without those columns, never NaN."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 8, generator=g, requires_grad=True)
+    w = torch.randn(300, 8, generator=g, requires_grad=True)
+    bias = torch.zeros(300)
+    bias[::3] = float("-inf")
+    y = torch.randint(0, 100, (9,), generator=g) * 3 + 1  # never a masked column
+    out = vp.vocab_parallel_token_stats(x, w, y, bias=bias, entropy=True, sum_p_squared=True,
+                                        top_k=3, backend=backend, mode=mode)  # fmt: skip
+    (out.logprobs + out.entropy).sum().backward()
+    keep = bias == 0
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double()[keep].requires_grad_(True)
+    y_kept = keep.cumsum(0)[y] - 1  # the targets' ids among the kept columns
+    ref = token_stats_reference(x64, w64, y_kept, top_k=3)
+    (ref["logprobs"] + ref["entropy"]).sum().backward()
+    for name in ("logprobs", "entropy", "sum_p_squared", "topk_logprobs"):
+        assert _rel(getattr(out, name), ref[name]) < VALUE_TOL, name
+    assert _rel(x.grad, x64.grad) < 1e-5
+    assert _rel(w.grad[keep], w64.grad) < 1e-5 and (w.grad[~keep] == 0).all()

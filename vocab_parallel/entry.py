@@ -34,7 +34,7 @@ from vocab_parallel.stats import Call
 class Prepared(NamedTuple):
     """A call ready for its autograd Function: ``hidden [N, H]``, ``target [N]`` (int64;
     all tokens of the group under sequence parallelism, ``slices`` then says which are
-    this rank's), the cast ``weight`` and ``bias``."""
+    this rank's), the cast ``weight`` and ``bias``, and the shape of per-token results."""
 
     call: Call
     hidden: torch.Tensor
@@ -42,6 +42,7 @@ class Prepared(NamedTuple):
     bias: torch.Tensor | None
     target: torch.Tensor
     slices: _sp.TokenSlices | None
+    shape: tuple[int, ...]  # of this rank's target (a DTensor's local one): the outputs'
 
 
 def autocast_inputs(*tensors):
@@ -224,6 +225,7 @@ def prepare_call(
             device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
             _agree(None, process_group, device, own_error=err)
         raise
+    shape = tuple(target.shape)
     t1 = target.reshape(-1).to(torch.int64)
     h2 = hidden.reshape(t1.shape[0], hidden.shape[-1])  # not (-1, H): H may be 0
     if opts.check_inputs and world_size(process_group) > 1:
@@ -267,4 +269,4 @@ def prepare_call(
         class_weight=None if cw is None else cw.detach().to(accum),
         inv_temperature=_inverse_temperature(opts, t1, accum, opts.check_inputs),
     )
-    return Prepared(call, h2, weight, bias, t1, slices)
+    return Prepared(call, h2, weight, bias, t1, slices, shape)

@@ -159,7 +159,7 @@ def run_token_stats(
         if given:
             raise ValueError(f"{name}: an option of the loss, not of the token statistics")
     opts = opts.replace(reduction="none", return_lse=False)
-    call, h2, weight, bias, t1, slices = prepare_call(
+    call, h2, weight, bias, t1, slices, shape = prepare_call(
         hidden, weight, target, opts, process_group, _resolve_mode, request=request,
         check=_check_mode,
     )  # fmt: skip
@@ -173,7 +173,6 @@ def run_token_stats(
     lp, ent, sp2, top_lp, top_ids = (
         _sp.own_tokens(t, slices) if t.numel() or t.dim() > 1 else t for t in outs
     )
-    shape = tuple(target.shape)
     top = request.top_k > 0
     return TokenStats(
         logprobs=lp.reshape(shape),

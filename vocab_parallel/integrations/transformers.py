@@ -404,6 +404,12 @@ def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
     logits_to_keep = named.pop("logits_to_keep", 0)
     return_dict = named.pop("return_dict", None)
 
+    outputs = model.base_model(**named)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    # The head is read only now, after the base model: under DeepSpeed ZeRO-3 reading the
+    # output layer's weight inside the engine's forward gathers it (and keeps it for this
+    # forward's backward); read before, a weight tied to the input embedding would be
+    # released again by the embedding's forward, and an untied one held through the body.
     head = _current_head(model, patch)
     ignore_index = head.loss_options["ignore_index"]
     if loss_args["ignore_index"] not in (None, ignore_index):
@@ -429,9 +435,6 @@ def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
             stacklevel=3,
         )
         want_logits = False
-
-    outputs = model.base_model(**named)
-    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
 
     loss, extras, token_stats = None, (), None
     if wants_loss:

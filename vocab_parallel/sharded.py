@@ -1,0 +1,54 @@
+"""Weights that a data-parallel sharding framework partitions: DeepSpeed ZeRO-3 and FSDP2.
+
+Both frameworks keep only a slice of each parameter between uses and put the whole
+tensor back for the forward (and backward) of the module that owns it:
+
+- **ZeRO-3** leaves the ``nn.Parameter`` object in place but empties it: outside a gather
+  ``param.shape`` is ``(0,)`` (``ds_status`` ``NOT_AVAILABLE``), the full shape is
+  ``param.ds_shape``, the partition lives in ``param.ds_tensor``. Inside the forward of the
+  module that owns the parameter, or of any parent module (the engine hooks the model's
+  forward), attribute access (``module.weight``) gathers it (ZeRO-3 swaps every module's parameter
+  dict for one that does) and keeps it for that module's backward.
+- **FSDP2** (``fully_shard``) swaps the parameter object itself: outside the forward of its
+  FSDP module it is a ``DTensor`` sharded over the data-parallel mesh, inside it the whole
+  (unsharded) parameter.
+
+So the loss reads its weight where the framework has gathered it (the LM head's forward,
+or the model's) and must never read a partition as if it were the weight: an empty ZeRO-3
+partition would fail obscurely, and an FSDP2 shard looks like a vocabulary shard of
+tensor parallelism. Nothing here imports DeepSpeed (the attributes are duck-typed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ZERO3_FIX = (
+    "ZeRO-3 gathers a parameter only inside the forward of the module that owns it or of a "
+    "parent module (the model's forward, which the engine hooks): compute the loss there, with "
+    "a VocabParallelLMHead submodule or apply_vocab_parallel_loss(model), not on the parameter "
+    "after the forward (and never with deepspeed.zero.GatheredParameters inside a forward)"
+)
+
+
+def zero3_partitioned(t: object) -> bool:
+    """Whether ``t`` is a DeepSpeed ZeRO-3 parameter whose data is not gathered now."""
+    shape = getattr(t, "ds_shape", None)
+    return shape is not None and isinstance(t, torch.Tensor) and tuple(t.shape) != tuple(shape)
+
+
+def full_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole parameter: ZeRO-3's ``ds_shape``, else ``t.shape``."""
+    shape = getattr(t, "ds_shape", None)
+    return tuple(shape) if shape is not None else tuple(t.shape)
+
+
+def check_gathered(name: str, t: object) -> None:
+    """``ValueError`` naming ``name`` if ``t`` is a ZeRO-3 partition read outside a gather.
+
+    Every data-parallel rank holds an empty parameter alike, so every rank raises alike."""
+    if zero3_partitioned(t):
+        raise ValueError(
+            f"{name}: a DeepSpeed ZeRO-3 partition read outside a gather (shape "
+            f"{tuple(t.shape)}, whole parameter {full_shape(t)}); {ZERO3_FIX}"
+        )

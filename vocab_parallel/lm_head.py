@@ -33,7 +33,7 @@ from vocab_parallel.options import (
     StatsRequest,
     shown_options,
 )
-from vocab_parallel.sharded import full_shape
+from vocab_parallel.sharded import check_plain, full_shape
 from vocab_parallel.token_stats import TOKEN_STATS_MODES, TokenStats, run_token_stats
 
 # The head's options that also shape its token statistics (the logits and execution).
@@ -78,6 +78,8 @@ class VocabParallelLMHead(nn.Module):
             ``mode``, ``backend``... Omitted ones take the loss's defaults. Kept in
             ``self.loss_options`` (all of them) and passed on at every call.
     """
+
+    _dtensor_weight = False  # a plain shard (DTensorLMHead: a DTensor one)
 
     def __init__(
         self,
@@ -220,6 +222,8 @@ class VocabParallelLMHead(nn.Module):
                 tensor count of 0 gives 0, not NaN). With it, ``reduction`` may only be
                 ``None`` or ``"sum"``.
         """
+        if not self._dtensor_weight:  # a DTensor here is FSDP2's shard, outside its forward
+            check_plain("weight", self.weight)
         changes: dict[str, Any] = {
             "vocab_start_index": self.vocab_start_index,
             "global_vocab_size": self.vocab_size,  # layout known: no collective per call

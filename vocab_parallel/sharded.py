@@ -21,7 +21,12 @@ tensor parallelism. Nothing here imports DeepSpeed (the attributes are duck-type
 
 from __future__ import annotations
 
+import sys
+
 import torch
+from torch import nn
+
+from vocab_parallel.dtensor import is_dtensor
 
 ZERO3_FIX = (
     "ZeRO-3 gathers a parameter only inside the forward of the module that owns it or of a "
@@ -51,4 +56,37 @@ def check_gathered(name: str, t: object) -> None:
         raise ValueError(
             f"{name}: a DeepSpeed ZeRO-3 partition read outside a gather (shape "
             f"{tuple(t.shape)}, whole parameter {full_shape(t)}); {ZERO3_FIX}"
+        )
+
+
+def is_fsdp_module(module: object) -> bool:
+    """Whether ``module`` is an FSDP2 module (``fully_shard`` made it one), without
+    importing ``torch.distributed.fsdp``."""
+    mod = sys.modules.get("torch.distributed.fsdp")
+    return mod is not None and isinstance(module, mod.FSDPModule)
+
+
+def check_plain(name: str, t: object) -> None:
+    """``ValueError`` naming ``name`` if a head that holds a plain tensor finds a DTensor
+    there: FSDP2's shard over the data-parallel mesh, read outside the forward of its FSDP
+    module. (Taken for a vocabulary shard it would state the wrong rows.)"""
+    if is_dtensor(t):
+        ranks = t.device_mesh.mesh.flatten().tolist()
+        raise ValueError(
+            f"{name}: a DTensor (placed {tuple(t.placements)} over ranks {ranks}) where the "
+            "head holds a plain tensor: an FSDP2 (fully_shard) shard, read outside the forward "
+            "of its FSDP module. FSDP2 gathers a parameter only inside that forward: call the "
+            "head inside the model's forward (or fully_shard the head on its own and call it)"
+        )
+
+
+def refuse_fsdp_layer(layer: nn.Module) -> None:
+    """``ValueError`` if the output layer is an FSDP2 module of its own: its weight is whole
+    only inside its own forward, which a loss on the hidden states never runs."""
+    if is_fsdp_module(layer):
+        raise ValueError(
+            f"layer: {type(layer).__name__} is an FSDP2 module of its own (fully_shard on the "
+            "output layer): FSDP2 gathers its weight only inside its own forward, which the "
+            "loss on the hidden states does not run; fully_shard the output layer together "
+            "with its parent (e.g. leave it to the root model's fully_shard)"
         )

@@ -20,7 +20,7 @@ from torch import nn
 from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.integrations.torch_tp import DTensorLMHead, head_from_colwise
 from vocab_parallel.lm_head import VocabParallelLMHead
-from vocab_parallel.sharded import full_shape
+from vocab_parallel.sharded import full_shape, refuse_fsdp_layer
 
 
 def head_from_layer(layer: nn.Module, **loss_options: Any) -> VocabParallelLMHead:
@@ -31,9 +31,16 @@ def head_from_layer(layer: nn.Module, **loss_options: Any) -> VocabParallelLMHea
     - a ``ColwiseParallel`` projection (DTensor weight): :func:`head_from_colwise`;
     - DeepSpeed AutoTP's ``VocabParallelLinear``, or a plain ``nn.Linear`` (one shard):
       :func:`head_from_autotp`.
+
+    An FSDP2 module of its own (``fully_shard(lm_head)``) is refused unless it is our head
+    used as it is (called as a module, FSDP2 gathers its weight for its forward).
     """
     if isinstance(layer, VocabParallelLMHead):  # ours (DTensorLMHead too): used as it is
-        return _own_head(layer, loss_options)
+        head = _own_head(layer, loss_options)
+        if head is not layer:
+            refuse_fsdp_layer(layer)
+        return head
+    refuse_fsdp_layer(layer)
     if is_dtensor(getattr(layer, "weight", None)):  # ColwiseParallel (parallelize_module)
         return head_from_colwise(layer, **loss_options)
     return head_from_autotp(layer, **loss_options)  # AutoTP's, or a plain nn.Linear

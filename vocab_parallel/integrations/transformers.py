@@ -112,6 +112,7 @@ from vocab_parallel.distributed import all_reduce, group_ranks, world_size
 from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.integrations.heads import head_from_layer, layer_group
 from vocab_parallel.lm_head import VocabParallelLMHead, head_options
+from vocab_parallel.sharded import is_fsdp_module
 
 _STATE = "_vocab_parallel_loss"  # the patch's state in the model's __dict__
 
@@ -190,7 +191,8 @@ def apply_vocab_parallel_loss(
         patch = dataclasses.replace(
             existing, options=options, given=given, eval_logits=eval_logits, head=None
         )
-    _current_head(model, patch)  # a wrong head fails now (the model still unchanged)
+    if not is_fsdp_module(model):  # under FSDP2 the head is whole only inside the forward
+        _current_head(model, patch)  # a wrong head fails now (the model still unchanged)
     model.__dict__[_STATE] = patch
     model.forward = types.MethodType(_make_forward(patch.signature, patch.original), model)
     return model

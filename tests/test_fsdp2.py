@@ -12,7 +12,8 @@ on the ``tp`` mesh, which the DTensor path of the loss takes).
   ``apply_vocab_parallel_loss``. Losses and gradient norms equal the unsharded
   single-process run (fp32, 1e-5). The head called outside the forward (its weight an
   FSDP2 shard) is refused naming FSDP2, on both ranks; so is a Hugging Face ``lm_head``
-  that is an FSDP2 module of its own (the patched forward never runs its forward).
+  that is an FSDP2 module of its own (the patched forward never runs its forward). The
+  shard given to the loss function by hand is stopped by the ranks' agreement check.
 - 4 ranks, ``(dp_shard, tp) = (2, 2)``: the GPT's output projection ``ColwiseParallel``
   on ``tp`` (uneven vocabulary shards 501 + 500, each split again by FSDP2), our head on
   it (``head_from_colwise``), ``fully_shard`` on ``dp_shard``; the same equality.
@@ -118,6 +119,8 @@ def _refused(fn) -> str:
 def _tp1_runs(group):
     from torch.distributed.device_mesh import init_device_mesh
 
+    from vocab_parallel import vocab_parallel_linear_cross_entropy
+
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
     rank = torch.distributed.get_rank(group)
     out = {}
@@ -127,11 +130,16 @@ def _tp1_runs(group):
         _shard([*model.blocks, *extra, model], mesh)
         out[f"{mode}/{'head unit' if own_unit else 'root'}"] = _train(model, range(STEPS), rank)
     # outside the model's forward the head's weight is this rank's FSDP2 shard
-    h = torch.randn(2, 5, CFG.d_model)
-    y = torch.randint(0, CFG.vocab_size, (2, 5))
+    g = torch.Generator().manual_seed(rank)  # data-parallel ranks: their own tokens
+    h = torch.randn(2, 5, CFG.d_model, generator=g)
+    y = torch.randint(0, CFG.vocab_size, (2, 5), generator=g)
     model = GPT(CFG, seed=0)
     _shard([model], mesh)
     out["refused"] = _refused(lambda: model.head(h, y))
+    # given to the loss by hand, the shard looks like a vocabulary shard over the mesh:
+    # the ranks' agreement check stops it (their tokens differ)
+    raw = lambda: vocab_parallel_linear_cross_entropy(h, model.head.weight, y)
+    out["raw"] = _refused(raw)
     out["llama"] = _llama(mesh, rank)
     return out
 
@@ -171,6 +179,8 @@ def test_fsdp2_equals_unsharded():
     for rank, result in enumerate(per_rank):
         message = result.pop("refused")
         assert message.startswith("weight: a DTensor") and "FSDP2" in message, message
+        message = result.pop("raw")
+        assert "the ranks of process_group pass different" in message, message
         llama = result.pop("llama")
         message = llama.pop("refused")
         assert message.startswith("layer: ") and "fully_shard" in message, message

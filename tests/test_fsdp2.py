@@ -10,10 +10,11 @@ on the ``tp`` mesh, which the DTensor path of the loss takes).
   rows), its blocks and root ``fully_shard``-ed, the head with the root or as an FSDP
   module of its own; a tiny transformers Llama, tied, patched by
   ``apply_vocab_parallel_loss``. Losses and gradient norms equal the unsharded
-  single-process run (fp32, 1e-5). The head called outside the forward (its weight an
-  FSDP2 shard) is refused naming FSDP2, on both ranks; so is a Hugging Face ``lm_head``
-  that is an FSDP2 module of its own (the patched forward never runs its forward). The
-  shard given to the loss function by hand is stopped by the ranks' agreement check.
+  single-process run (fp32, 1e-5), also an untied Llama whose ``lm_head`` is an FSDP2
+  module of its own (the patched forward never runs its forward: the adapter unshards
+  it, FSDP2's post-backward reduce-scatters its gradient). The head called outside the
+  forward (its weight an FSDP2 shard) is refused naming FSDP2, on both ranks; the shard
+  given to the loss function by hand is stopped by the ranks' agreement check.
 - 4 ranks, ``(dp_shard, tp) = (2, 2)``: the GPT's output projection ``ColwiseParallel``
   on ``tp`` (uneven vocabulary shards 501 + 500, each split again by FSDP2), our head on
   it (``head_from_colwise``), ``fully_shard`` on ``dp_shard``; the same equality.
@@ -144,48 +145,76 @@ def _tp1_runs(group):
     return out
 
 
+def _llama_steps(model, rank: int | None, clip) -> dict:
+    """SGD steps of a tiny Llama (``test_transformers``' model and data): data-parallel
+    rank r trains on micro-batch r of each step; ``rank=None``: one process, the mean of
+    both ranks' losses (the reference). Per step: the losses of both micro-batches (the
+    reference) or this rank's, and the gradient norm before clipping."""
+    from test_transformers import LR, micro_batches
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses, norms = [], []
+    for step in range(STEPS):
+        batches = micro_batches(step)
+        mine = batches if rank is None else [batches[rank]]
+        per_rank = [model(ids, labels=labels).loss for ids, labels in mine]
+        torch.stack(per_rank).mean().backward()
+        norms.append(float(clip(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append([x.item() for x in per_rank])
+    return dict(losses=losses, norms=norms)
+
+
 def _llama(mesh, rank: int) -> dict:
-    """A tied tiny Llama, layers and root fully_shard-ed (lm_head with the root, as
-    accelerate's FSDP2 wraps it), patched: the same steps as the unpatched single-process
-    model (test_transformers.train_plain, the same data on each rank)."""
-    from test_transformers import make_model, train_plain
+    """Tiny Llamas, patched, each data-parallel rank its own micro-batches: tied, layers
+    and root fully_shard-ed (lm_head with the root, as accelerate's FSDP2 wraps it),
+    patched after fully_shard; untied with lm_head an FSDP2 module of its own
+    (torchtitan's grouping), whose forward the patched forward never runs: the adapter
+    unshards it."""
+    from test_transformers import make_model
 
     from vocab_parallel.integrations.transformers import apply_vocab_parallel_loss
 
+    def clip(params, max_norm):
+        return _grad_norm_and_clip(list(params), max_norm)
+
+    out = {}
     model = make_model("llama", True)
     _shard([*model.model.layers, model], mesh)
     apply_vocab_parallel_loss(model)  # after fully_shard: the head is built in the forward
-    got = train_plain(model, range(STEPS), clip=lambda params, c: _grad_norm_and_clip(params, c))
-    # lm_head as an FSDP2 module of its own: its forward (where FSDP2 would gather it)
-    # never runs in the patched forward, so the adapter refuses it
-    other = make_model("llama", False)
-    apply_vocab_parallel_loss(other)
-    _shard([other.lm_head, other], mesh)
-    ids = torch.randint(0, 257, (2, 16))
-    got["refused"] = _refused(lambda: other(ids, labels=ids))
-    return got
+    out["tied"] = _llama_steps(model, rank, clip)
+    model = make_model("llama", False)
+    apply_vocab_parallel_loss(model, mode="memory_saving")  # the weight read in backward too
+    _shard([*model.model.layers, model.lm_head, model], mesh)
+    out["untied, lm_head its own unit"] = _llama_steps(model, rank, clip)
+    return out
 
 
 def test_fsdp2_equals_unsharded():
-    """TP 1 on 2 ranks: GPT (head with the root or its own FSDP module, two modes) and a
-    tied Llama under fully_shard train as the unsharded single-process models do; a
-    shard read as the head's weight is refused on both ranks, naming FSDP2."""
+    """TP 1 on 2 ranks: GPT (head with the root or its own FSDP module, two modes) and
+    Llamas (tied; untied with lm_head its own FSDP module) under fully_shard train as the
+    unsharded single-process models do; a shard read as the head's weight is refused on
+    both ranks, naming FSDP2."""
     pytest.importorskip("transformers")
-    from test_transformers import close, reference
+    from test_transformers import close, make_model
 
     ref = _reference()
-    ref_llama = reference("llama", True)
+    clip = torch.nn.utils.clip_grad_norm_
+    ref_llama = {
+        tied: _llama_steps(make_model("llama", tied), None, clip) for tied in (False, True)
+    }
     per_rank = run_ranks(_tp1_runs, 2)
     for rank, result in enumerate(per_rank):
         message = result.pop("refused")
         assert message.startswith("weight: a DTensor") and "FSDP2" in message, message
         message = result.pop("raw")
         assert "the ranks of process_group pass different" in message, message
-        llama = result.pop("llama")
-        message = llama.pop("refused")
-        assert message.startswith("layer: ") and "fully_shard" in message, message
-        close(llama["losses"], ref_llama["losses"], f"rank {rank}, llama: losses")
-        close(llama["norms"], ref_llama["norms"], f"rank {rank}, llama: gradient norms")
+        for key, r in result.pop("llama").items():
+            want = ref_llama[key == "tied"]
+            mine = [step[rank] for step in want["losses"]]
+            close([step[0] for step in r["losses"]], mine, f"rank {rank}, llama {key}: losses")
+            close(r["norms"], want["norms"], f"rank {rank}, llama {key}: gradient norms")
         assert len(result) == 2, result.keys()
         for key, (losses, norms) in result.items():
             where = f"rank {rank}, {key}"

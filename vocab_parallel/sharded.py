@@ -80,13 +80,14 @@ def check_plain(name: str, t: object) -> None:
         )
 
 
-def refuse_fsdp_layer(layer: nn.Module) -> None:
-    """``ValueError`` if the output layer is an FSDP2 module of its own: its weight is whole
-    only inside its own forward, which a loss on the hidden states never runs."""
+def unshard_fsdp_module(layer: nn.Module) -> None:
+    """FSDP2's ``unshard()`` of an output layer that is an FSDP2 module of its own.
+
+    FSDP2 gathers a module's parameters for its forward, and a loss on the hidden states
+    never runs the output layer's forward; so the layer is unsharded here, inside the
+    model's forward, as torchtitan's plug-in does. FSDP2 then finishes the job itself: its
+    post-backward (which the root's final callback runs for a module whose forward was
+    skipped) reduce-scatters the weight's gradient and reshards the weight. A no-op for any
+    other module, and for one already unsharded."""
     if is_fsdp_module(layer):
-        raise ValueError(
-            f"layer: {type(layer).__name__} is an FSDP2 module of its own (fully_shard on the "
-            "output layer): FSDP2 gathers its weight only inside its own forward, which the "
-            "loss on the hidden states does not run; fully_shard the output layer together "
-            "with its parent (e.g. leave it to the root model's fully_shard)"
-        )
+        layer.unshard()

@@ -20,7 +20,7 @@ from torch import nn
 from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.integrations.torch_tp import DTensorLMHead, head_from_colwise
 from vocab_parallel.lm_head import VocabParallelLMHead
-from vocab_parallel.sharded import full_shape, refuse_fsdp_layer
+from vocab_parallel.sharded import full_shape, unshard_fsdp_module
 
 
 def head_from_layer(layer: nn.Module, **loss_options: Any) -> VocabParallelLMHead:
@@ -32,15 +32,17 @@ def head_from_layer(layer: nn.Module, **loss_options: Any) -> VocabParallelLMHea
     - DeepSpeed AutoTP's ``VocabParallelLinear``, or a plain ``nn.Linear`` (one shard):
       :func:`head_from_autotp`.
 
-    An FSDP2 module of its own (``fully_shard(lm_head)``) is refused unless it is our head
-    used as it is (called as a module, FSDP2 gathers its weight for its forward).
+    An FSDP2 module of its own (``fully_shard(lm_head)``) is unsharded first (call this
+    inside the model's forward then): the head is built on its whole parameters, and the
+    loss does not run the layer's forward, where FSDP2 would gather them
+    (:func:`vocab_parallel.sharded.unshard_fsdp_module`). Our own head used as it is needs
+    none of that: called as a module, FSDP2 gathers it for its forward.
     """
-    if isinstance(layer, VocabParallelLMHead):  # ours (DTensorLMHead too): used as it is
-        head = _own_head(layer, loss_options)
-        if head is not layer:
-            refuse_fsdp_layer(layer)
-        return head
-    refuse_fsdp_layer(layer)
+    if isinstance(layer, VocabParallelLMHead) and _keeps_options(layer, loss_options):
+        return layer  # ours (DTensorLMHead too), with its own options: used as it is
+    unshard_fsdp_module(layer)
+    if isinstance(layer, VocabParallelLMHead):  # ours, other options: a head on its params
+        return _own_head(layer, loss_options)
     if is_dtensor(getattr(layer, "weight", None)):  # ColwiseParallel (parallelize_module)
         return head_from_colwise(layer, **loss_options)
     return head_from_autotp(layer, **loss_options)  # AutoTP's, or a plain nn.Linear
@@ -54,13 +56,19 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _keeps_options(layer: VocabParallelLMHead, given: dict[str, Any]) -> bool:
+    """Whether ``given`` asks for nothing but what our head ``layer`` already has."""
+    own = {k: v for k, v in layer.loss_options.items() if k != "bias"}
+    return all(k in own and _same(own[k], v) for k, v in given.items())
+
+
 def _own_head(layer: VocabParallelLMHead, given: dict[str, Any]) -> VocabParallelLMHead:
     """The model's own :class:`VocabParallelLMHead`: as it is, with its own options, unless
     ``apply_vocab_parallel_loss`` was given other values (then a head with those, on the
     very same parameters: nothing is copied, the layer is not changed)."""
-    own = {k: v for k, v in layer.loss_options.items() if k != "bias"}
-    if all(k in own and _same(own[k], v) for k, v in given.items()):
+    if _keeps_options(layer, given):
         return layer
+    own = {k: v for k, v in layer.loss_options.items() if k != "bias"}
     options = own | dict(given)
     if isinstance(layer, DTensorLMHead):  # its weight and bias are DTensor parameters
         return head_from_colwise(layer, **options)

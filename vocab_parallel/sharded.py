@@ -7,8 +7,8 @@ tensor back for the forward (and backward) of the module that owns it:
   ``param.shape`` is ``(0,)`` (``ds_status`` ``NOT_AVAILABLE``), the full shape is
   ``param.ds_shape``, the partition lives in ``param.ds_tensor``. Inside the forward of the
   module that owns the parameter, or of any parent module (the engine hooks the model's
-  forward), attribute access (``module.weight``) gathers it (ZeRO-3 swaps every module's parameter
-  dict for one that does) and keeps it for that module's backward.
+  forward), attribute access (``module.weight``) gathers it (ZeRO-3 swaps every module's
+  parameter dict for one that does) and keeps it for that module's backward.
 - **FSDP2** (``fully_shard``) swaps the parameter object itself: outside the forward of its
   FSDP module it is a ``DTensor`` sharded over the data-parallel mesh, inside it the whole
   (unsharded) parameter.

@@ -28,6 +28,7 @@ from vocab_parallel.distributed import world_size
 from vocab_parallel.layout import resolve_layout
 from vocab_parallel.options import LossOptions, StatsRequest
 from vocab_parallel.reduction import check_num_items_in_batch
+from vocab_parallel.sharded import check_gathered
 from vocab_parallel.stats import Call
 
 
@@ -186,6 +187,8 @@ def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items
             hidden, weight, target, opts, process_group
         )
         check_member(process_group)
+    check_gathered("weight", weight)  # an empty ZeRO-3 partition (before any cast): the fix
+    check_gathered("bias", opts.bias)
     hidden, weight, bias = autocast_inputs(hidden, weight, opts.bias)
     opts = opts if bias is opts.bias else opts.replace(bias=bias)
     _check_tensors(hidden, weight, target, opts)

@@ -15,7 +15,7 @@ from multirank import run_ranks
 
 import vocab_parallel as vp
 from vocab_parallel.layout import shard_bounds
-from vocab_parallel.reference import token_stats_reference
+from vocab_parallel.reference import scaled_logits_reference, token_stats_reference
 from vocab_parallel.testing import token_split
 
 FIELDS = ("logprobs", "entropy", "sum_p_squared", "topk_logprobs")
@@ -128,7 +128,7 @@ def check(case: TSCase, group=None) -> list[str]:
     ignored = (y[tokens] == -100)[:, None].expand_as(ids)
     if not torch.equal(ids[ignored], torch.full_like(ids[ignored], -1)):
         errors.append("topk_ids: not -1 at ignored tokens")
-    z_lp = torch.log_softmax(_logits64(x, w, b, temp, case.softcap), dim=-1)[tokens]
+    z_lp = torch.log_softmax(scaled_logits_reference(x, w, b, case.softcap, temp), dim=-1)[tokens]
     at_ids = z_lp.gather(1, ids.clamp(min=0)).masked_fill(ignored, 0.0)
     if _rel(out.topk_logprobs, at_ids) > VALUE_TOL:
         errors.append("topk_ids: the ids do not name the values reported")
@@ -148,17 +148,6 @@ def check(case: TSCase, group=None) -> list[str]:
             err = "missing" if got is None else f"rel error {_rel(got, want):.2e}"
             errors.append(f"{name}: {err}")
     return [f"{case}: {e}" for e in errors]
-
-
-def _logits64(x, w, b, temp, softcap):
-    z = x.double() @ w.double().T
-    if b is not None:
-        z = z + b.double()
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    if isinstance(temp, torch.Tensor):
-        return z / temp.double()[:, None]
-    return z / temp
 
 
 SINGLE = [

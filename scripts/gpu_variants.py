@@ -56,7 +56,30 @@ def cases(dry_run: bool) -> list[dict]:
         out.append(dict(bt=bt, h=h, v=v, dtype=dtype, mode="operator logits=", bias=False,
                         softcap=None, label_smoothing=0.1, z_loss=0.0,
                         scaled=scaled))  # fmt: skip
+    # The token statistics (entropy; top-k stores each chunk of logits): their variants.
+    for (bt, h, v), dtype, mode, bias, softcap, scaled, top_k in itertools.product(
+        shapes, DTYPES, ("memory_saving", "high_performance"), (False, True), (None, 20.0),
+        (False, True), (0, 3),
+    ):  # fmt: skip
+        out.append(dict(bt=bt, h=h, v=v, dtype=dtype, mode=f"token_stats {mode}", bias=bias,
+                        softcap=softcap, label_smoothing=0.0, z_loss=0.0, scaled=scaled,
+                        top_k=top_k))  # fmt: skip
     return out
+
+
+def token_stats_outputs(c: dict, x, w, b, y, up, backend: str) -> list:
+    """Log-probs, entropy, top-k and the gradients of ``up * (logprobs + entropy)``."""
+    import vocab_parallel as vp
+
+    leaves = [t.clone().requires_grad_(True) for t in (x, w) + ((b,) if c["bias"] else ())]
+    out = vp.vocab_parallel_token_stats(
+        leaves[0], leaves[1], y, bias=leaves[2] if c["bias"] else None, softcap=c["softcap"],
+        temperature=_temperature(c, x) if c["scaled"] else 1.0, entropy=True,
+        top_k=c["top_k"], mode=c["mode"].split()[1], backend=backend,
+    )  # fmt: skip
+    (up * (out.logprobs + out.entropy)).sum().backward()
+    top = [out.topk_logprobs] if c["top_k"] else []
+    return [out.logprobs.detach(), out.entropy.detach(), *top] + [t.grad for t in leaves]
 
 
 def operator_grads(c: dict, x, w, y, up, backend: str) -> list:
@@ -147,6 +170,8 @@ def run_cases(job: tuple[list[dict], str]) -> tuple[list[dict], list]:
         out = {}
         if c["mode"].startswith("operator"):
             out = {be: operator_grads(c, x, w, y, up, be) for be in ("triton", "torch")}
+        elif c["mode"].startswith("token_stats"):
+            out = {be: token_stats_outputs(c, x, w, b, y, up, be) for be in ("triton", "torch")}
         for backend in () if out else ("triton", "torch"):
             leaves = [t.clone().requires_grad_(True) for t in (x, w) + ((b,) if c["bias"] else ())]
             loss = vp.vocab_parallel_linear_cross_entropy(
@@ -167,7 +192,9 @@ def describe(c: dict) -> str:
     opts = [c["mode"], c["dtype"], f"BT {c['bt']}"]
     opts += ["bias"] * c["bias"] + ["softcap"] * (c["softcap"] is not None)
     opts += ["smoothing"] * (c["label_smoothing"] > 0) + ["z_loss"] * (c["z_loss"] > 0)
-    opts += ["temperature+class_weight"] * c["scaled"]
+    scaled = "temperature" if c["mode"].startswith("token_stats") else "temperature+class_weight"
+    opts += [scaled] * c["scaled"]
+    opts += [f"top_k {c.get('top_k')}"] * bool(c.get("top_k"))
     return " ".join(opts)
 
 

@@ -362,6 +362,46 @@ def test_topk_errors_name_the_parameter():
         assert str(err.value).startswith(param + ":"), str(err.value)
 
 
+def _head_against_function(group=None) -> list[str]:
+    """``head.distillation_loss`` of two heads (hidden sizes 12 and 20) against the
+    function on the same shards; the teacher's parameters get no gradient."""
+    x, w, xt, wt, y, b, *_ = _problem(DCase(bias=True, seed=50))
+    student = vp.VocabParallelLMHead.from_full_weight(w, group, bias=True, softcap=4.0)
+    teacher = vp.VocabParallelLMHead.from_full_weight(wt, group)
+    with torch.no_grad():
+        student.bias.copy_(b[student.vocab_start_index : student.vocab_end_index])
+    h = x.clone().requires_grad_(True)
+    loss = student.distillation_loss(h, teacher, xt, y, divergence="jsd", beta=0.3,
+                                     temperature=0.8, hard_label_weight=0.2)  # fmt: skip
+    loss.backward()
+    h2 = x.clone().requires_grad_(True)
+    w2 = student.weight.detach().clone().requires_grad_(True)
+    ref = vp.vocab_parallel_distillation_loss(
+        h2, w2, teacher_hidden=xt, teacher_weight=teacher.weight.detach(), target=y,
+        divergence="jsd", beta=0.3, temperature=0.8, hard_label_weight=0.2, softcap=4.0,
+        bias=student.bias.detach(), process_group=group,
+    )  # fmt: skip
+    ref.backward()
+    errors = []
+    if not torch.equal(loss.detach(), ref.detach()) or not torch.equal(h.grad, h2.grad):
+        errors.append(f"head: loss {float(loss.detach())} != {float(ref.detach())}")
+    if not torch.equal(student.weight.grad, w2.grad) or student.bias.grad is None:
+        errors.append("head: weight / bias gradients")
+    if teacher.weight.grad is not None:
+        errors.append("head: the teacher got a gradient")
+    return errors
+
+
+def test_head_distillation_loss_matches_the_function():
+    assert _head_against_function() == []
+    student = vp.VocabParallelLMHead(12, 131)
+    with pytest.raises(ValueError, match="^teacher_head:"):
+        student.distillation_loss(torch.randn(3, 12), vp.VocabParallelLMHead(20, 130),
+                                  torch.randn(3, 20))  # fmt: skip
+    with pytest.raises(TypeError, match="^teacher_head:"):
+        student.distillation_loss(torch.randn(3, 12), torch.nn.Linear(20, 131), torch.randn(3, 20))
+
+
 # ---------------------------------------------------------------- multi-rank (gloo)
 
 
@@ -398,6 +438,7 @@ def test_every_rank_matches_the_unsharded_reference(world):
 def _four_ranks(group):
     errors = _check_all(group, [DCase(divergence="jsd", sp="uneven", seed=40),
                                 DCase(top_k=9, seed=41, dtype=BF16)])  # fmt: skip
+    errors += _head_against_function(group)
     x, w, xt, wt, y, *_ = _problem(DCase())
     rank = torch.distributed.get_rank(group)
     lo, hi = shard_bounds(131, 4)[rank]

@@ -136,15 +136,28 @@ class _Online:
     def add(self, y: torch.Tensor, *terms: torch.Tensor) -> None:
         new = torch.maximum(self.m, y.max(dim=1).values)
         decay = torch.exp(self.m - new)
-        e = torch.exp(y - new[:, None])
+        e = torch.sub(y, new[:, None]).exp_()
         self.s = self.s * decay + e.sum(dim=1)
-        for i, t in enumerate(terms):  # e = 0 (a -inf logit) adds 0, never 0 * inf
-            self.extra[i] = self.extra[i] * decay + (e * torch.where(e > 0, t, 0.0)).sum(dim=1)
+        for i, t in enumerate(terms):
+            self.extra[i] = self.extra[i] * decay + _weighted_sum(e, t)
         self.m = new
 
     def rescaled(self, shift: torch.Tensor) -> list[torch.Tensor]:
         decay = torch.exp(self.m - shift)
         return [self.s * decay] + [t * decay for t in self.extra]
+
+
+def _weighted_sum(e: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``sum_j e_j t_j`` per row, where ``e_j = 0`` adds 0 even if ``t_j`` is infinite (a
+    ``-inf`` logit): one pass without temporaries, and the rows that came out NaN (only
+    such ``0 * inf``, or a NaN already there) again with the zeros masked."""
+    out = torch.einsum("ij,ij->i", e, t)
+    bad = torch.isnan(out)
+    if bool(bad.any()):
+        rows = bad.nonzero()[:, 0]
+        eb = e[rows]
+        out[rows] = (eb * torch.where(eb > 0, t[rows], 0.0)).sum(dim=1)
+    return out
 
 
 class Columns(NamedTuple):
@@ -319,8 +332,7 @@ def jsd_sums(
             lt = (t if it is None else t * it) - terms.lt[:, None]
             lm = torch.logaddexp(lt + lb, ls + l1b)
             for row, lp in ((0, lt), (1, ls)):
-                p = torch.exp(lp)
-                k[row] += (p * torch.where(p > 0, lp - lm, 0.0)).sum(dim=1)
+                k[row] += _weighted_sum(torch.exp(lp), lp - lm)
     all_reduce(k, "SUM", group, "JSD sums")
     d = spec.beta * k[0] + (1.0 - spec.beta) * k[1]
     return terms._replace(d=d, coef=k[1])
@@ -350,9 +362,11 @@ def gradient_chunk(
     (0 for ignored rows). ``z`` is read, never written (it may be saved logits)."""
     it = None if inv_t is None else inv_t[:, None]
     u = z if it is None else z * it
+    div = spec.divergence
+    if div == "forward_kl" and not spec.sparse:
+        return _forward_kl_chunk(terms, z, u, t, it, scale_d, scale_ce, cols, v0, v1, softcap)
     ls = u - terms.ls[:, None]
     ps = torch.exp(ls)
-    div = spec.divergence
     if spec.sparse:
         g = ps * terms.coef[:, None]
         here, idx = _in_chunk(cols.ids, v0, v1)
@@ -376,6 +390,31 @@ def gradient_chunk(
         p1.mul_(scale_ce[:, None])
         p1.scatter_add_(1, idx[:, None], torch.where(here, -scale_ce, 0.0)[:, None])
         g.add_(p1)
-    if softcap is not None:  # through the cap: d cap / d r = 1 - (z / c)^2
-        g.mul_(1.0 - (z / softcap).square())
+    return _through_cap(g, z, softcap)
+
+
+def _through_cap(g: torch.Tensor, z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``g`` times the cap's derivative ``1 - (z / c)^2`` (in place)."""
+    if softcap is not None:
+        g.mul_(torch.div(z, softcap).square_().neg_().add_(1.0))
     return g
+
+
+def _forward_kl_chunk(terms, z, u, t, it, scale_d, scale_ce, cols, v0, v1, softcap):
+    """:func:`gradient_chunk` of the forward KL, formed in place: ``G = c_d (p_s - p_t) +
+    c_ce (p1 - onehot)``; without a temperature ``p1 = p_s``, so ``G = (c_d + c_ce) p_s -
+    c_d p_t - c_ce onehot`` and no third tensor is made."""
+    c_d = (scale_d if it is None else scale_d * it[:, 0])[:, None]
+    ps = torch.sub(u, terms.ls[:, None]).exp_()
+    pt = (t if it is None else t * it).sub(terms.lt[:, None]).exp_()
+    if scale_ce is None:
+        g = ps.sub_(pt).mul_(c_d)
+    elif terms.l1 is None:
+        g = ps.mul_(c_d + scale_ce[:, None]).sub_(pt.mul_(c_d))
+    else:
+        g = ps.sub_(pt).mul_(c_d)
+        g.add_(torch.sub(z, terms.l1[:, None]).exp_().mul_(scale_ce[:, None]))
+    if scale_ce is not None:
+        here, idx = _in_chunk(cols.target, v0, v1)
+        g.scatter_add_(1, idx[:, None], torch.where(here, -scale_ce, 0.0)[:, None])
+    return _through_cap(g, z, softcap)

@@ -57,7 +57,7 @@ from vocab_parallel.stats import Call
 __all__ = ["DIVERGENCES", "vocab_parallel_distillation_loss"]
 
 # Bytes of one head's fp32 [rows, V_local] logits chunk kept by grad_in_forward (two heads).
-GIF_CHUNK_BYTES = {"cpu": 64 * 1024 * 1024}
+GIF_CHUNK_BYTES = {"cpu": 128 * 1024 * 1024}
 GIF_DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
 GIF_MAX_ROWS = {"cpu": 512}
 

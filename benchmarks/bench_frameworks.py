@@ -1,4 +1,4 @@
-"""Memory of the head step inside Megatron-core and torchtitan: their own loss vs ours.
+"""Memory of the head step inside Megatron-core, torchtitan and verl: their own vs ours.
 
 One row per framework and implementation, each a fresh group of 2 gloo ranks (TP 2) from
 one invocation, the same shapes and inputs:
@@ -8,6 +8,9 @@ one invocation, the same shapes and inputs:
               ours        VocabParallelOutputProcessor on the same output layer
     torchtitan titan      ChunkedLossWrapper (num_chunks=8, its default) + CrossEntropyLoss
               ours        VocabParallelLossWrapper
+    verl       verl       vocab_parallel_log_probs_from_logits + vocab_parallel_entropy on
+                          the materialised logits shard (its fused kernel is CUDA-only)
+              ours        vocab_parallel.integrations.verl.linear_cross_entropy
 
 The head step is forward + backward from the final hidden states (a leaf, so the decoder is
 not measured) to the gradients of the hidden states and the weight shard. Peak extra
@@ -112,14 +115,44 @@ def _torchtitan(case: dict) -> dict:
     return {"extra": peak.extra_bytes, "loss": loss.item()}
 
 
+def _verl(case: dict) -> dict:
+    """verl's log-probs + entropy: its Megatron functions on this rank's materialised
+    logits (what verl runs with use_fused_kernels off; its fused kernel is CUDA-only) vs
+    our drop-in for its fused ``linear_cross_entropy``."""
+    from framework_shims import megatron_on_cpu, verl_module
+
+    from vocab_parallel.integrations import verl as vp_verl
+
+    megatron_on_cpu(tp_size=2)
+    tp = verl_module("verl.utils.megatron.tensor_parallel")
+    group = torch.distributed.group.WORLD
+    rows = case["vocab"] // 2
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(case["tokens"], HIDDEN, generator=g).requires_grad_()
+    weight = (torch.randn(rows, HIDDEN, generator=g) * HIDDEN**-0.5).requires_grad_()
+    labels = torch.randint(0, case["vocab"], (case["tokens"],), generator=g)
+    with PeakMemory() as peak:
+        if case["impl"] == "ours":
+            lp, ent = vp_verl.linear_cross_entropy(hidden, weight, labels, 1.0, "none", group)
+        else:
+            logits = hidden @ weight.T
+            ent = tp.vocab_parallel_entropy(logits)
+            # A copy: Megatron's cross entropy under it writes into fp32 logits in place.
+            lp = tp.vocab_parallel_log_probs_from_logits(logits.clone(), labels)
+        loss = (lp + ent).sum()
+        loss.backward()
+    return {"extra": peak.extra_bytes, "loss": loss.item()}
+
+
 def child(case: dict) -> dict:
     _init(case)
     torch.set_num_threads(1)
-    return (_megatron if case["framework"] == "megatron" else _torchtitan)(case)
+    run = {"megatron": _megatron, "torchtitan": _torchtitan, "verl": _verl}[case["framework"]]
+    return run(case)
 
 
 ROWS = (("megatron", "megatron"), ("megatron", "ours"), ("torchtitan", "titan"),
-        ("torchtitan", "ours"))  # fmt: skip
+        ("torchtitan", "ours"), ("verl", "verl"), ("verl", "ours"))  # fmt: skip
 
 
 def parent(argv: list[str]) -> int:

@@ -242,10 +242,13 @@ def _flags(source: str) -> list[tuple[bool, bool]]:
 
 def _entropy_tile(tile: TileConfig, entropy: bool, softcap: bool) -> TileConfig:
     """The entropy's term with a softcap holds ``z - max``, ``tanh`` and the softmax tile
-    at once: half the columns again (else 255 registers on sm_100,
+    at once: half the columns again and half the depth of each product step (else 255
+    registers on sm_100 with triton 3.9, spills there with 3.6:
     ``scripts/aot_compile.py --match ENTROPY``)."""
     if entropy and softcap:
-        return dataclasses.replace(tile, BLOCK_N=max(32, tile.BLOCK_N // 2))
+        return dataclasses.replace(
+            tile, BLOCK_N=max(32, tile.BLOCK_N // 2), BLOCK_K=max(16, tile.BLOCK_K // 2)
+        )
     return tile
 
 

@@ -178,12 +178,18 @@ class GPT(nn.Module):
             )
         init_head_rows(self.head.weight, start, seed)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """The head's input ``[B, T, d_model]``: the body's output after the final norm
+        (what RL and distillation losses take, with ``self.head``)."""
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for block in self.blocks:
             x = block(x)
-        h = self.ln_f(x)
+        return self.ln_f(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        h = self.hidden_states(idx)
         if self.sequence_parallel and self.tp > 1:
             lo, hi = shard_bounds(t, self.tp)[self.tp_rank]  # this TP rank's tokens
             return self.head(h[:, lo:hi], targets[:, lo:hi])

@@ -87,9 +87,12 @@ DS_BUILD_OPS=0 pip_q install -c "$CONSTRAINTS" -e '.[test,deepspeed]'
 # but runs on 3.10+ (its wheel, no dependencies but numpy and packaging); torchtitan's
 # model code needs spmd_types, tyro, torchdata and tokenizers, not datasets, wandb... (pip
 # then reports torchtitan's other requirements as not installed: expected).
-log "pip install megatron-core==0.19.2, torchtitan==0.3.0 (--no-deps, and their small deps)"
+# verl: its package only (--no-deps), for the references of the verl plug-in's tests
+# (its torch and Megatron functions need nothing more; its package __init__ imports ray,
+# which the tests step around: tests/framework_shims.py).
+log "pip install megatron-core==0.19.2, torchtitan==0.3.0, verl==0.9.1 (--no-deps, and their small deps)"
 pip_q install -c "$CONSTRAINTS" --no-deps --ignore-requires-python \
-    megatron-core==0.19.2 torchtitan==0.3.0
+    megatron-core==0.19.2 torchtitan==0.3.0 verl==0.9.1
 pip_q install -c "$CONSTRAINTS" numpy packaging spmd_types==0.2.3 tyro torchdata tokenizers
 
 "$VPY" -c "import torch, vocab_parallel"

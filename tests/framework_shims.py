@@ -89,3 +89,24 @@ def fsdp_sum_reduction(model) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+def verl_module(name: str):
+    """One module of verl (e.g. ``"verl.utils.experimental.torch_functional"``), loaded from
+    its file without running ``verl/__init__.py``: that package init imports ``ray`` for
+    verl's single controller (installed with verl's dependencies, not by the tests, which
+    install verl ``--no-deps``), while the torch and Megatron reference functions the tests
+    compare with import only torch and megatron.core."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name in sys.modules:
+        return sys.modules[name]
+    root = Path(importlib.util.find_spec("verl").origin).parent  # finds, does not import
+    path = root.joinpath(*name.split(".")[1:]).with_suffix(".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

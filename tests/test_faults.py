@@ -17,6 +17,9 @@ from multirank import run_ranks
 
 import vocab_parallel as vp
 
+# Multi-process (gloo ranks): out of the fast loop (-m "not slow").
+pytestmark = pytest.mark.slow
+
 V, H, BT = 23, 8, 12
 
 

@@ -78,6 +78,7 @@ def _cases(backend: str) -> list[Case]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_reference_over_many_chunks(backend, chunked):
     if backend == "triton" and not HAS_TRITON:
@@ -338,6 +339,7 @@ def _assert_ok(per_rank):
     assert not bad, "mismatches:\n" + "\n".join(str(b) for b in bad[:10])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_rank_matches_reference(world):
     """Uneven shards (V=389), both layouts, smoothing, both dtypes, options; 6 rows a chunk."""
@@ -356,6 +358,7 @@ def test_every_rank_matches_reference(world):
     _assert_ok(run_ranks(_check_chunked, world, cases, 6))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_every_rank_matches_reference_triton():
     cases = grid(

@@ -21,6 +21,9 @@ import textwrap
 
 import pytest
 
+# Tensors past 2^31 elements (seconds each): out of the fast loop (-m "not slow").
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

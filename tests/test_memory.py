@@ -14,6 +14,9 @@ import textwrap
 import pytest
 from helpers import peak_extra_in_child
 
+# Fresh subprocesses measuring peak memory: out of the fast loop (-m "not slow").
+pytestmark = pytest.mark.slow
+
 MIB = 1 << 20
 # The child runs in the repository root, where ``python -c`` finds ``benchmarks``.
 

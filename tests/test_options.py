@@ -547,6 +547,7 @@ def _measure(bt: int, h: int, v: int) -> int:
     return peak_extra_in_child(CHILD, bt, h, v)
 
 
+@pytest.mark.slow
 def test_memory_saving_peak_stays_flat_in_v_with_every_option():
     bt, h, v = 1024, 64, 16384
     ours = {n: _measure(bt, h, n) for n in (v, 4 * v)}

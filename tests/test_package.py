@@ -100,6 +100,7 @@ def test_wheel_requires_torch_alone(wheel):
     assert names == ["torch"], requires
 
 
+@pytest.mark.slow
 def test_imports_and_trains_without_the_optional_packages(wheel, tmp_path):
     """From the unpacked wheel, with every optional package unimportable.
 

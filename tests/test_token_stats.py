@@ -15,7 +15,7 @@ from multirank import run_ranks
 
 import vocab_parallel as vp
 from vocab_parallel.layout import shard_bounds
-from vocab_parallel.reference import token_stats_reference
+from vocab_parallel.reference import scaled_logits_reference, token_stats_reference
 from vocab_parallel.testing import token_split
 
 FIELDS = ("logprobs", "entropy", "sum_p_squared", "topk_logprobs")
@@ -128,7 +128,7 @@ def check(case: TSCase, group=None) -> list[str]:
     ignored = (y[tokens] == -100)[:, None].expand_as(ids)
     if not torch.equal(ids[ignored], torch.full_like(ids[ignored], -1)):
         errors.append("topk_ids: not -1 at ignored tokens")
-    z_lp = torch.log_softmax(_logits64(x, w, b, temp, case.softcap), dim=-1)[tokens]
+    z_lp = torch.log_softmax(scaled_logits_reference(x, w, b, case.softcap, temp), dim=-1)[tokens]
     at_ids = z_lp.gather(1, ids.clamp(min=0)).masked_fill(ignored, 0.0)
     if _rel(out.topk_logprobs, at_ids) > VALUE_TOL:
         errors.append("topk_ids: the ids do not name the values reported")
@@ -148,17 +148,6 @@ def check(case: TSCase, group=None) -> list[str]:
             err = "missing" if got is None else f"rel error {_rel(got, want):.2e}"
             errors.append(f"{name}: {err}")
     return [f"{case}: {e}" for e in errors]
-
-
-def _logits64(x, w, b, temp, softcap):
-    z = x.double() @ w.double().T
-    if b is not None:
-        z = z + b.double()
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    if isinstance(temp, torch.Tensor):
-        return z / temp.double()[:, None]
-    return z / temp
 
 
 SINGLE = [
@@ -422,3 +411,51 @@ def test_case_helper_is_not_trivially_true():
     ref = token_stats_reference(x, w, y, temperature=temp)
     assert _rel(out.logprobs, ref["logprobs"]) > 100 * VALUE_TOL
     assert broken != case
+
+
+@pytest.mark.slow
+def test_grpo_example_equals_full_logits_under_torchrun():
+    """``launch/grpo_example.py`` on 2 gloo ranks: the policy loss from token statistics
+    equals the one from materialised logits at every step (the script exits 1 if not)."""
+    import subprocess
+    import sys
+
+    from launch_helpers import ROOT, train_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "launch" / "grpo_example.py"), "--steps", "3", "--vocab", "1031"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line[:4].strip().isdigit()]
+    assert len(rows) == 3
+    for _, ours, full, diff, _ in rows:
+        assert abs(float(ours) - float(full)) <= 1e-5 and float(diff) <= 1e-5
+    assert "ok" in out.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is not installed"))])  # fmt: skip
+@pytest.mark.parametrize("mode", ["memory_saving", "high_performance"])
+def test_masking_bias_of_minus_inf(backend, mode):
+    """A bias of -inf on some columns (masked tokens, p = 0): finite entropy and
+    gradients equal to the reference without those columns, never NaN."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 8, generator=g, requires_grad=True)
+    w = torch.randn(300, 8, generator=g, requires_grad=True)
+    bias = torch.zeros(300)
+    bias[::3] = float("-inf")
+    y = torch.randint(0, 100, (9,), generator=g) * 3 + 1  # never a masked column
+    out = vp.vocab_parallel_token_stats(x, w, y, bias=bias, entropy=True, sum_p_squared=True,
+                                        top_k=3, backend=backend, mode=mode)  # fmt: skip
+    (out.logprobs + out.entropy).sum().backward()
+    keep = bias == 0
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double()[keep].requires_grad_(True)
+    y_kept = keep.cumsum(0)[y] - 1  # the targets' ids among the kept columns
+    ref = token_stats_reference(x64, w64, y_kept, top_k=3)
+    (ref["logprobs"] + ref["entropy"]).sum().backward()
+    for name in ("logprobs", "entropy", "sum_p_squared", "topk_logprobs"):
+        assert _rel(getattr(out, name), ref[name]) < VALUE_TOL, name
+    assert _rel(x.grad, x64.grad) < 1e-5
+    assert _rel(w.grad[keep], w64.grad) < 1e-5 and (w.grad[~keep] == 0).all()

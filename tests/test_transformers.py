@@ -394,6 +394,7 @@ def test_return_lse():
     close(out.loss.item(), want.item(), "loss with z_loss")
 
 
+@pytest.mark.slow
 def test_importing_the_adapter_does_not_import_transformers():
     code = (
         "import sys, vocab_parallel.integrations.transformers; "

@@ -64,7 +64,9 @@ def _placement(t, name: str):
         raise ValueError(
             f"{name}: a DTensor on a {mesh.ndim}-D DeviceMesh; expected a 1-D mesh (the "
             "tensor-parallel group: pass mesh['tp']'s DTensor, or to_local() with "
-            "process_group)"
+            "process_group). Under FSDP2 x TP this is the weight's FSDP2 shard, read "
+            "outside the forward of its FSDP module (fully_shard), where FSDP2 gives the "
+            "1-D tp DTensor: compute the loss inside that forward"
         )
     return t.placements[0]
 

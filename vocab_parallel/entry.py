@@ -28,13 +28,14 @@ from vocab_parallel.distributed import world_size
 from vocab_parallel.layout import resolve_layout
 from vocab_parallel.options import LossOptions, StatsRequest
 from vocab_parallel.reduction import check_num_items_in_batch
+from vocab_parallel.sharded import check_gathered
 from vocab_parallel.stats import Call
 
 
 class Prepared(NamedTuple):
     """A call ready for its autograd Function: ``hidden [N, H]``, ``target [N]`` (int64;
     all tokens of the group under sequence parallelism, ``slices`` then says which are
-    this rank's), the cast ``weight`` and ``bias``."""
+    this rank's), the cast ``weight`` and ``bias``, and the shape of per-token results."""
 
     call: Call
     hidden: torch.Tensor
@@ -42,6 +43,7 @@ class Prepared(NamedTuple):
     bias: torch.Tensor | None
     target: torch.Tensor
     slices: _sp.TokenSlices | None
+    shape: tuple[int, ...]  # of this rank's target (a DTensor's local one): the outputs'
 
 
 def autocast_inputs(*tensors):
@@ -185,6 +187,8 @@ def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items
             hidden, weight, target, opts, process_group
         )
         check_member(process_group)
+    check_gathered("weight", weight)  # an empty ZeRO-3 partition (before any cast): the fix
+    check_gathered("bias", opts.bias)
     hidden, weight, bias = autocast_inputs(hidden, weight, opts.bias)
     opts = opts if bias is opts.bias else opts.replace(bias=bias)
     _check_tensors(hidden, weight, target, opts)
@@ -227,6 +231,7 @@ def prepare_call(
             device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
             _agree(None, process_group, device, own_error=err)
         raise
+    shape = tuple(target.shape)
     t1 = target.reshape(-1).to(torch.int64)
     h2 = hidden.reshape(t1.shape[0], hidden.shape[-1])  # not (-1, H): H may be 0
     if opts.check_inputs and world_size(process_group) > 1:
@@ -271,4 +276,4 @@ def prepare_call(
         class_weight=None if cw is None else cw.detach().to(accum),
         inv_temperature=_inverse_temperature(opts, t1, accum, opts.check_inputs),
     )
-    return Prepared(call, h2, weight, bias, t1, slices)
+    return Prepared(call, h2, weight, bias, t1, slices, shape)

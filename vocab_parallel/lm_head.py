@@ -34,6 +34,7 @@ from vocab_parallel.options import (
     StatsRequest,
     shown_options,
 )
+from vocab_parallel.sharded import check_plain, full_shape
 from vocab_parallel.token_stats import TOKEN_STATS_MODES, TokenStats, run_token_stats
 
 # The head's options that also shape its token statistics (the logits and execution).
@@ -84,6 +85,8 @@ class VocabParallelLMHead(nn.Module):
             ``mode``, ``backend``... Omitted ones take the loss's defaults. Kept in
             ``self.loss_options`` (all of them) and passed on at every call.
     """
+
+    _dtensor_weight = False  # a plain shard (DTensorLMHead: a DTensor one)
 
     def __init__(
         self,
@@ -159,15 +162,19 @@ class VocabParallelLMHead(nn.Module):
         tensor-parallel (see :func:`mark_tensor_parallel`); a whole head (one rank) is left
         as it is: it may be replicated over a tensor-parallel group, or tied to an
         embedding, and must then count once in gradient norms.
+
+        A DeepSpeed ZeRO-3 parameter is taken at its whole shape (``ds_shape``); the loss
+        then reads it where ZeRO-3 gathers it (``vocab_parallel.sharded``).
         """
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+        shape = full_shape(weight) if isinstance(weight, torch.Tensor) else ()
+        if not isinstance(weight, nn.Parameter) or len(shape) != 2:
             raise TypeError("weight: expected a 2-D nn.Parameter [rows, hidden_size]")
         head = cls(
-            weight.shape[1],
+            shape[1],
             vocab_size,
             process_group=process_group,
             vocab_start_index=vocab_start_index,
-            vocab_end_index=vocab_start_index + weight.shape[0],
+            vocab_end_index=vocab_start_index + shape[0],
             dtype=weight.dtype,
             device="meta",  # no throw-away allocation: the parameter is replaced below
             **options,
@@ -222,6 +229,8 @@ class VocabParallelLMHead(nn.Module):
                 tensor count of 0 gives 0, not NaN). With it, ``reduction`` may only be
                 ``None`` or ``"sum"``.
         """
+        if not self._dtensor_weight:  # a DTensor here is FSDP2's shard, outside its forward
+            check_plain("weight", self.weight)
         changes: dict[str, Any] = {
             "vocab_start_index": self.vocab_start_index,
             "global_vocab_size": self.vocab_size,  # layout known: no collective per call

@@ -154,7 +154,7 @@ def run_loss(
         lambda o, track, dtype: resolve_mode(o.mode, o.reduction, track, dtype),
         num_items_in_batch=num_items_in_batch,
     )
-    call, h2, weight, bias, t1, slices = prep
+    call, h2, weight, bias, t1, slices, shape = prep
     opts, mode = call.opts, call.mode
     if mode == "grad_in_forward":
         needs = tuple(t is not None and t.requires_grad for t in (h2, weight, bias))
@@ -162,13 +162,13 @@ def run_loss(
     else:
         losses, lse, weights = VocabParallelLinearCE.apply(h2, weight, bias, t1, call)
     if opts.reduction == "none":
-        losses = _sp.own_tokens(losses, slices).reshape(target.shape)
+        losses = _sp.own_tokens(losses, slices).reshape(shape)
     if mode == "grad_in_forward" and opts.reduction == "mean":
         out = losses  # the mean already (vocab_parallel.grad_in_forward)
     else:
         out = reduce_losses(losses, weights, opts.reduction, num_items_in_batch)
     if opts.return_lse:
-        return LossOutput(out, _sp.own_tokens(lse, slices).reshape(target.shape))
+        return LossOutput(out, _sp.own_tokens(lse, slices).reshape(shape))
     return out
 
 

@@ -155,6 +155,18 @@ def naive_loss_grad(grad, x, w, not_here, target, lmax, sumexp, softmax):
     return (g @ wc).to(x.dtype), (g.T @ xc).to(x.dtype)
 
 
+def scaled_logits_reference(hidden, weight, bias=None, softcap=None, temperature=1.0):
+    """``softcap(hidden @ W.T + b) / T`` in float64 (``T`` a float or one per row)."""
+    z = hidden.double() @ weight.double().T
+    if bias is not None:
+        z = z + bias.double()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if isinstance(temperature, torch.Tensor):
+        return z / temperature.double().reshape(z.shape[:-1])[..., None]
+    return z / temperature
+
+
 def token_stats_reference(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -170,15 +182,7 @@ def token_stats_reference(
     b) / T`` (``weight``: the full ``[V, H]``), as differentiable functions of the inputs:
     ``logprobs``, ``entropy``, ``sum_p_squared``, ``topk_logprobs``/``topk_ids`` (ties to
     the lower id: a stable sort) and ``argmax``; 0 (ids -1) where ``target`` is ignored."""
-    z = hidden.double() @ weight.double().T
-    if bias is not None:
-        z = z + bias.double()
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    if isinstance(temperature, torch.Tensor):
-        z = z / temperature.double().reshape(z.shape[:-1])[..., None]
-    else:
-        z = z / temperature
+    z = scaled_logits_reference(hidden, weight, bias, softcap, temperature)
     ignored = target == ignore_index
     lp = torch.log_softmax(z, dim=-1)
     p = lp.exp()

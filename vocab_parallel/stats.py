@@ -53,6 +53,9 @@ class Call:
     track: bool = False  # whether a backward can follow (grad mode, an input requiring grad)
     class_weight: torch.Tensor | None = None
     inv_temperature: torch.Tensor | None = None
+    # grad_input left rank-local (this rank's vocabulary rows' share), for a caller that
+    # sums it over the group itself (verl's convention: vocab_parallel.integrations.verl)
+    partial_grad_input: bool = False
 
     def logits(self, bias: torch.Tensor | None) -> Logits:
         """How the backends make this call's logits (``bias``: the cast one)."""

@@ -26,6 +26,7 @@ kept between forward and backward in the default (memory-saving) mode.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -141,10 +142,14 @@ def run_token_stats(
     opts: LossOptions,
     request: StatsRequest,
     process_group: dist.ProcessGroup | None = None,
+    *,
+    partial_grad_input: bool = False,
 ) -> TokenStats:
     """:func:`vocab_parallel_token_stats` for options already made (the LM head's entry).
     Only the options of the logits apply (``reduction``, ``label_smoothing``, ``z_loss``,
-    ``class_weight`` and ``return_lse`` must be their defaults)."""
+    ``class_weight`` and ``return_lse`` must be their defaults). ``partial_grad_input``:
+    ``hidden``'s gradient is this rank's share, not summed over the group (for a caller
+    that sums it itself; not with sequence parallelism)."""
     loss_only = {
         "label_smoothing": opts.label_smoothing != 0.0,
         "z_loss": opts.z_loss != 0.0,
@@ -154,17 +159,20 @@ def run_token_stats(
         if given:
             raise ValueError(f"{name}: an option of the loss, not of the token statistics")
     opts = opts.replace(reduction="none", return_lse=False)
-    call, h2, weight, bias, t1, slices = prepare_call(
+    call, h2, weight, bias, t1, slices, shape = prepare_call(
         hidden, weight, target, opts, process_group, _resolve_mode, request=request,
         check=_check_mode,
     )  # fmt: skip
+    if partial_grad_input:
+        if opts.sequence_parallel:
+            raise ValueError("sequence_parallel: not with a rank-local (partial) grad_input")
+        call = dataclasses.replace(call, partial_grad_input=True)
     k = request.candidates
     outs = TokenStatsFunction.apply(h2, weight, bias, t1, call, request)
     # This rank's tokens (sequence parallelism); an output not asked for is empty.
     lp, ent, sp2, top_lp, top_ids = (
         _sp.own_tokens(t, slices) if t.numel() or t.dim() > 1 else t for t in outs
     )
-    shape = tuple(target.shape)
     top = request.top_k > 0
     return TokenStats(
         logprobs=lp.reshape(shape),
@@ -270,7 +278,7 @@ class TokenStatsFunction(torch.autograd.Function):
                 sum_exp=sum_exp,
                 logits=saved,
             )
-        tp = world_size(call.process_group) > 1
+        tp = world_size(call.process_group) > 1 and not call.partial_grad_input
         out = Outputs(
             need_input=need[0],
             need_weight=need[1],
@@ -280,5 +288,7 @@ class TokenStatsFunction(torch.autograd.Function):
         grads = get_backend(call.backend).fused_backward(
             hidden, weight, local_target, call.logits(bias), terms, out
         )
+        if call.partial_grad_input:  # the caller sums it over the group
+            return grads.input, grads.weight, grads.bias
         grad_input = sum_grad_input(grads.input, call.process_group, hidden.dtype)
         return grad_input, grads.weight, grads.bias

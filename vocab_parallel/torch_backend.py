@@ -87,7 +87,6 @@ def fused_backward(
 
     def make_g(v0: int, v1: int, x_op: torch.Tensor, w_op: torch.Tensor | None):
         tanh = None  # tanh(r / softcap) of the chunk, for the cap's derivative
-        coef = None  # factor + ent * (z - max), the entropy's per-column factor of p
         if softmax is not None:
             g = softmax[:, v0:v1].to(accum, copy=True)
         else:
@@ -104,13 +103,12 @@ def fused_backward(
                 if inv_t is not None:
                     g.mul_(inv_t)
             g.sub_(row_max)
-            if ent is not None:  # of p; a -inf logit (p = 0) gets a finite factor
-                coef = torch.nan_to_num(g, nan=float("nan"), neginf=0.0).mul_(ent).add_(factor)
-            g.exp_().div_(row_sum)  # exp(z - max) / sum: the original operator's order
-        if coef is None:
+            if ent is not None:  # p (factor + ent (z - max)), block by block
+                _entropy_epilogue_(g, row_sum, factor, ent)
+            else:
+                g.exp_().div_(row_sum)  # exp(z - max) / sum: the original operator's order
+        if ent is None or softmax is not None:
             g.mul_(factor)
-        else:
-            g.mul_(coef)
         if smooth is not None:
             g.sub_(smooth if cw is None else smooth * cw[v0:v1])
         # One-hot: subtract where the target falls into this chunk.
@@ -227,18 +225,64 @@ def forward_stats(
     return LocalStats(row_max, row_sum, pred, lsum, shifted, exp2)
 
 
+# Elements of the per-block scratch of the token statistics' passes (1 MiB of fp32): a
+# fresh [BT, CV] temporary per chunk costs more in page faults than the arithmetic.
+BLOCK_ELEMENTS = 1 << 18
+
+
+def _row_blocks(rows: int, cols: int):
+    """``(r0, r1)`` row blocks of a ``[rows, cols]`` chunk whose scratch fits the block."""
+    step = max(1, BLOCK_ELEMENTS // max(1, cols))
+    return ((r0, min(rows, r0 + step)) for r0 in range(0, rows, step))
+
+
+def _no_neginf(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``-inf`` (a masking bias' logits, ``p = 0``) as 0, so that ``p * t`` is 0,
+    not NaN; ``t`` itself when it holds none."""
+    if t.numel() and bool(t.min() == float("-inf")):
+        return torch.nan_to_num(t, nan=float("nan"), neginf=0.0)
+    return t
+
+
+def _entropy_epilogue_(g, row_sum, factor, ent) -> None:
+    """``g`` (``z - max`` of a chunk) becomes ``exp(g) / sum * (factor + ent * g)`` in place,
+    a block of rows at a time through a small scratch for the factor."""
+    rows, cols = g.shape
+    scratch = torch.empty(min(rows, max(1, BLOCK_ELEMENTS // max(1, cols))) * cols,
+                          dtype=g.dtype, device=g.device)  # fmt: skip
+    per_row = factor.shape[0] > 1
+    for r0, r1 in _row_blocks(rows, cols):
+        zb = g[r0:r1]
+        coef = scratch[: (r1 - r0) * cols].view(r1 - r0, cols)
+        torch.addcmul(factor[r0:r1] if per_row else factor, _no_neginf(zb), ent[r0:r1], out=coef)
+        zb.exp_().div_(row_sum[r0:r1]).mul_(coef)
+
+
 def _extra_stats_(z, row_max, new_max, row_sum, shifted, exp2, in_place: bool) -> None:
     """The online update of ``row_sum``, ``shifted`` and ``exp2`` (in place) by one chunk
-    ``z`` whose rows raise the running max from ``row_max`` to ``new_max``. A row whose sum
-    is still 0 has no shifted sum to move (``(m - m') * 0`` could be ``-inf * 0``)."""
+    ``z`` whose rows raise the running max from ``row_max`` to ``new_max``, a block of rows
+    at a time through a small scratch for ``exp(z - max)``. A row whose sum is still 0 has
+    no shifted sum to move (``(m - m') * 0`` could be ``-inf * 0``); a ``-inf`` logit adds
+    ``0 * (z - max) = 0``, not NaN."""
     step = row_max - new_max  # <= 0
     decay = torch.exp(step)
     moved = torch.where(row_sum > 0, shifted + step * row_sum, 0.0)
     shifted.copy_(moved.mul_(decay))
     exp2.mul_(decay.square())
     row_sum.mul_(decay)
-    zm = z.sub_(new_max[:, None]) if in_place else z - new_max[:, None]
-    e = torch.exp(zm)
-    row_sum.add_(e.sum(dim=1))
-    shifted.add_(torch.einsum("ij,ij->i", e, torch.where(e > 0, zm, 0.0)))
-    exp2.add_(e.square_().sum(dim=1))
+    rows, cols = z.shape
+    n = min(rows, max(1, BLOCK_ELEMENTS // max(1, cols))) * cols
+    e_buf = torch.empty(n, dtype=z.dtype, device=z.device)
+    zm_buf = None if in_place else torch.empty(n, dtype=z.dtype, device=z.device)
+    for r0, r1 in _row_blocks(rows, cols):
+        shape = (r1 - r0, cols)
+        if in_place:
+            zb = z[r0:r1].sub_(new_max[r0:r1, None])
+        else:  # the kept logits stay as they are
+            zb = torch.sub(
+                z[r0:r1], new_max[r0:r1, None], out=zm_buf[: shape[0] * cols].view(shape)
+            )
+        e = torch.exp(zb, out=e_buf[: shape[0] * cols].view(shape))
+        row_sum[r0:r1] += e.sum(dim=1)
+        shifted[r0:r1] += torch.linalg.vecdot(e, _no_neginf(zb))
+        exp2[r0:r1] += torch.linalg.vecdot(e, e)

@@ -20,6 +20,7 @@ from torch import nn
 from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.integrations.torch_tp import DTensorLMHead, head_from_colwise
 from vocab_parallel.lm_head import VocabParallelLMHead
+from vocab_parallel.sharded import full_shape, unshard_fsdp_module
 
 
 def head_from_layer(layer: nn.Module, **loss_options: Any) -> VocabParallelLMHead:
@@ -30,8 +31,17 @@ def head_from_layer(layer: nn.Module, **loss_options: Any) -> VocabParallelLMHea
     - a ``ColwiseParallel`` projection (DTensor weight): :func:`head_from_colwise`;
     - DeepSpeed AutoTP's ``VocabParallelLinear``, or a plain ``nn.Linear`` (one shard):
       :func:`head_from_autotp`.
+
+    An FSDP2 module of its own (``fully_shard(lm_head)``) is unsharded first (call this
+    inside the model's forward then): the head is built on its whole parameters, and the
+    loss does not run the layer's forward, where FSDP2 would gather them
+    (:func:`vocab_parallel.sharded.unshard_fsdp_module`). Our own head used as it is needs
+    none of that: called as a module, FSDP2 gathers it for its forward.
     """
-    if isinstance(layer, VocabParallelLMHead):  # ours (DTensorLMHead too): used as it is
+    if isinstance(layer, VocabParallelLMHead) and _keeps_options(layer, loss_options):
+        return layer  # ours (DTensorLMHead too), with its own options: used as it is
+    unshard_fsdp_module(layer)
+    if isinstance(layer, VocabParallelLMHead):  # ours, other options: a head on its params
         return _own_head(layer, loss_options)
     if is_dtensor(getattr(layer, "weight", None)):  # ColwiseParallel (parallelize_module)
         return head_from_colwise(layer, **loss_options)
@@ -46,13 +56,19 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _keeps_options(layer: VocabParallelLMHead, given: dict[str, Any]) -> bool:
+    """Whether ``given`` asks for nothing but what our head ``layer`` already has."""
+    own = {k: v for k, v in layer.loss_options.items() if k != "bias"}
+    return all(k in own and _same(own[k], v) for k, v in given.items())
+
+
 def _own_head(layer: VocabParallelLMHead, given: dict[str, Any]) -> VocabParallelLMHead:
     """The model's own :class:`VocabParallelLMHead`: as it is, with its own options, unless
     ``apply_vocab_parallel_loss`` was given other values (then a head with those, on the
     very same parameters: nothing is copied, the layer is not changed)."""
-    own = {k: v for k, v in layer.loss_options.items() if k != "bias"}
-    if all(k in own and _same(own[k], v) for k, v in given.items()):
+    if _keeps_options(layer, given):
         return layer
+    own = {k: v for k, v in layer.loss_options.items() if k != "bias"}
     options = own | dict(given)
     if isinstance(layer, DTensorLMHead):  # its weight and bias are DTensor parameters
         return head_from_colwise(layer, **options)
@@ -114,8 +130,9 @@ def head_from_autotp(layer: nn.Module, **loss_options) -> VocabParallelLMHead:
             names the DeepSpeed option to turn on. Also a layer with a DTensor weight
             (``ColwiseParallel``): :func:`head_from_colwise` is its
             head.
-        ValueError: a weight that does not match the layer's rows, a weight partitioned by
-            ZeRO stage 3, or a bias where the loss takes none.
+        ValueError: a weight that does not match the layer's rows, an AutoTP shard
+            partitioned by ZeRO stage 3, or a bias where the loss takes none. (A plain
+            ``nn.Linear`` under ZeRO-3 is fine: see ``vocab_parallel.sharded``.)
     """
     fields = ("vocab_size", "vocab_start_index", "vocab_end_index", "mp_group")
     missing = [a for a in ("weight", *fields) if not hasattr(layer, a)]
@@ -141,17 +158,20 @@ def head_from_autotp(layer: nn.Module, **loss_options) -> VocabParallelLMHead:
         if loss_options.get("bias") is not None:
             raise ValueError("bias: the layer has its own bias; do not pass one")
         loss_options = loss_options | {"bias": bias}
-    if hasattr(weight, "ds_id"):  # ZeRO-3 keeps only a flat partition in the parameter
-        raise ValueError(
-            "layer.weight: partitioned by DeepSpeed ZeRO stage 3, which the vocabulary-parallel "
-            "head does not support; use ZeRO stage 0, 1 or 2 (with "
-            f"{AUTOTP_OPTION} for tensor parallelism)"
-        )
     if missing:  # a plain nn.Linear: the whole vocabulary on this rank
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+        # (under ZeRO-3 an empty partition outside a gather: the whole shape is ds_shape,
+        # and the loss reads the weight where ZeRO-3 gathers it)
+        shape = full_shape(weight) if isinstance(weight, torch.Tensor) else ()
+        if not isinstance(weight, nn.Parameter) or len(shape) != 2:
             raise ValueError("layer.weight: expected a 2-D parameter [vocab_size, hidden_size]")
         return VocabParallelLMHead.from_shard(
-            weight, weight.shape[0], 0, process_group=None, **loss_options
+            weight, shape[0], 0, process_group=None, **loss_options
+        )
+    if hasattr(weight, "ds_id"):  # AutoTP's shard, partitioned by ZeRO-3 on top
+        raise ValueError(
+            "layer.weight: DeepSpeed AutoTP's vocabulary shard, partitioned by ZeRO stage 3 as "
+            "well, which DeepSpeed's AutoTP training does not combine; use ZeRO stage 0, 1 or 2 "
+            "with AutoTP, or ZeRO-3 without tensor parallelism (a plain nn.Linear lm_head)"
         )
     start, end = int(layer.vocab_start_index), int(layer.vocab_end_index)
     if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or weight.shape[0] != end - start:

@@ -22,6 +22,8 @@ class DTensorLMHead(VocabParallelLMHead):
     ``Shard(0)`` DTensor parameter (made by :func:`head_from_colwise`); their gradients are
     DTensors with that placement."""
 
+    _dtensor_weight = True
+
     @torch.no_grad()
     def full_weight(self) -> torch.Tensor:
         """The whole ``[vocab_size, hidden_size]`` weight (a collective: ``full_tensor()``)."""

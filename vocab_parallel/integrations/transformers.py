@@ -112,6 +112,7 @@ from vocab_parallel.distributed import all_reduce, group_ranks, world_size
 from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.integrations.heads import head_from_layer, layer_group
 from vocab_parallel.lm_head import VocabParallelLMHead, head_options
+from vocab_parallel.sharded import is_fsdp_module, unshard_fsdp_module
 
 _STATE = "_vocab_parallel_loss"  # the patch's state in the model's __dict__
 
@@ -190,7 +191,10 @@ def apply_vocab_parallel_loss(
         patch = dataclasses.replace(
             existing, options=options, given=given, eval_logits=eval_logits, head=None
         )
-    _current_head(model, patch)  # a wrong head fails now (the model still unchanged)
+    # a wrong head fails now (the model still unchanged); under FSDP2 the head is whole
+    # only inside the forward, and is built there
+    if not (is_fsdp_module(model) or is_fsdp_module(model.get_output_embeddings())):
+        _current_head(model, patch)
     model.__dict__[_STATE] = patch
     model.forward = types.MethodType(_make_forward(patch.signature, patch.original), model)
     return model
@@ -287,9 +291,13 @@ def _model_options(model: nn.Module, options: dict[str, Any]) -> dict[str, Any]:
     return options | {"softcap": cap}
 
 
-def _current_head(model: nn.Module, patch: _Patch) -> VocabParallelLMHead:
-    """Our head on the model's output layer as it is now (cached while it stays the same)."""
+def _current_head(model: nn.Module, patch: _Patch, in_forward: bool = False) -> VocabParallelLMHead:
+    """Our head on the model's output layer as it is now (cached while it stays the same).
+    ``in_forward``: an output layer that is an FSDP2 module of its own is unsharded first
+    (``vocab_parallel.sharded.unshard_fsdp_module``)."""
     layer = model.get_output_embeddings()
+    if in_forward and not isinstance(layer, VocabParallelLMHead):  # ours: called, gathered
+        unshard_fsdp_module(layer)
     key = (layer, getattr(layer, "weight", None), getattr(layer, "bias", None))
     if patch.head is not None:
         *cached, head = patch.head
@@ -404,7 +412,14 @@ def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
     logits_to_keep = named.pop("logits_to_keep", 0)
     return_dict = named.pop("return_dict", None)
 
-    head = _current_head(model, patch)
+    outputs = model.base_model(**named)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    # The head is read only now, after the base model: under DeepSpeed ZeRO-3 reading the
+    # output layer's weight inside the engine's forward gathers it (and keeps it for this
+    # forward's backward); read before, a weight tied to the input embedding would be
+    # released again by the embedding's forward, and an untied one held through the body.
+    # (An output layer that is an FSDP2 module of its own is unsharded here.)
+    head = _current_head(model, patch, in_forward=True)
     ignore_index = head.loss_options["ignore_index"]
     if loss_args["ignore_index"] not in (None, ignore_index):
         raise ValueError(
@@ -429,9 +444,6 @@ def _patched_forward(model: nn.Module, args: tuple, kwargs: dict):
             stacklevel=3,
         )
         want_logits = False
-
-    outputs = model.base_model(**named)
-    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
 
     loss, extras, token_stats = None, (), None
     if wants_loss:

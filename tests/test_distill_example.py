@@ -27,5 +27,5 @@ def test_two_ranks_match_the_full_logits_run(tmp_path_factory, tmp_path):
     summary = json.loads((tmp_path / "curve.json").read_text())
     ours, full = summary["curves"]["vocab_parallel"], summary["curves"]["full_logits"]
     assert len(ours) == len(full) == 4 and ours[-1] < ours[0]  # it learns
-    assert gap == summary["max_abs_gap"] < 1e-4
+    assert abs(gap - summary["max_abs_gap"]) <= 1e-2 * gap and gap < 1e-4  # printed 3 digits
     assert (tmp_path / "curve.png").stat().st_size > 0

@@ -467,7 +467,10 @@ def test_four_ranks_and_disagreement():
 MIB = 1 << 20
 CHILD = textwrap.dedent(
     """
-    import json, sys
+    import ctypes, json, sys
+    # A fixed mmap threshold (M_MMAP_THRESHOLD = -3): chunk-sized temporaries are mapped
+    # and unmapped, not left in a heap whose high-water mark varies from run to run.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)
     import torch
     import torch.nn.functional as F
     import vocab_parallel as vp

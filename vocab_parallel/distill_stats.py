@@ -149,14 +149,15 @@ class _Online:
 
 def _weighted_sum(e: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``sum_j e_j t_j`` per row, where ``e_j = 0`` adds 0 even if ``t_j`` is infinite (a
-    ``-inf`` logit): one pass without temporaries, and the rows that came out NaN (only
-    such ``0 * inf``, or a NaN already there) again with the zeros masked."""
-    out = torch.einsum("ij,ij->i", e, t)
+    ``-inf`` logit). ``t`` is a fresh term of the caller's and becomes the products (no
+    temporary: an ``einsum`` here grew with the vocabulary); the rows that came out NaN
+    (only such ``0 * inf``, or a NaN already there) are summed again with those masked."""
+    prod = t.mul_(e)
+    out = prod.sum(dim=1)
     bad = torch.isnan(out)
     if bool(bad.any()):
         rows = bad.nonzero()[:, 0]
-        eb = e[rows]
-        out[rows] = (eb * torch.where(eb > 0, t[rows], 0.0)).sum(dim=1)
+        out[rows] = torch.where(e[rows] > 0, prod[rows], 0.0).sum(dim=1)
     return out
 
 

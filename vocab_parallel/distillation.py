@@ -319,7 +319,7 @@ def run_distillation(
         target_t = torch.zeros(shape, dtype=torch.int64, device=device)
     else:
         target_t = target
-    call, h2, weight, bias, t1, slices = prepare_call(
+    call, h2, weight, bias, t1, slices, shape = prepare_call(
         hidden, weight, target_t, opts, process_group, _resolve_mode, check=check, agree=agree
     )
     spec = spec_box[0]
@@ -332,7 +332,6 @@ def run_distillation(
         return GradInForwardDistillation.apply(h2, weight, bias, t1, call, spec, teacher, needs)
     losses, weights = DistillationFunction.apply(h2, weight, bias, t1, call, spec, teacher)
     if reduction == "none":
-        shape = _token_shape(hidden, opts.sequence_parallel)
         return _sp.own_tokens(losses, slices).reshape(shape)
     return reduce_losses(losses, weights, reduction)
 

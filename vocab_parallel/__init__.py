@@ -5,12 +5,14 @@ Public API:
     VocabParallelLinearCrossEntropy       its nn.Module form
     VocabParallelLMHead                   an LM head that owns its shard and computes the loss
     vocab_parallel_token_stats, TokenStats  per-token log-probs, entropy, top-k (RL)
+    vocab_parallel_distillation_loss      KL / JSD between a student and a teacher head
     fused_linear_cross_entropy_loss_grad  the fused backward operator (docs/design.md)
     pack_target_mask, unpack_target_mask  the bit-packed target mask format
     shard_bounds                          the default contiguous (uneven) shard layout
     LossOptions, LossOutput               the options value, the result with return_lse
 """
 
+from vocab_parallel.distillation import vocab_parallel_distillation_loss
 from vocab_parallel.layout import shard_bounds
 from vocab_parallel.lm_head import VocabParallelLMHead
 from vocab_parallel.loss import (
@@ -31,6 +33,7 @@ __all__ = [
     "VocabParallelLinearCrossEntropy",
     "vocab_parallel_linear_cross_entropy",
     "vocab_parallel_token_stats",
+    "vocab_parallel_distillation_loss",
     "fused_linear_cross_entropy_loss_grad",
     "pack_target_mask",
     "unpack_target_mask",

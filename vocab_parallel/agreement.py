@@ -86,6 +86,21 @@ FIELDS = (
     ("values (position checksum)", "hidden"),
     ("values (checksum)", "temperature"),
 )
+# What a distillation call adds (``vocab_parallel.distillation``; 0 for other calls).
+DISTILL_FIELDS = (
+    ("divergence", "divergence"),
+    ("beta", "beta"),
+    ("hard_label_weight", "hard_label_weight"),
+    ("teacher form (dense, top-k)", "teacher_hidden"),
+    ("teacher size (hidden size or k)", "teacher_hidden"),
+    ("teacher_bias given", "teacher_bias"),
+    ("target given", "target"),
+    ("values (checksum)", "teacher_hidden"),
+    ("values (position checksum)", "teacher_hidden"),
+    ("values (checksum)", "teacher_topk_logprobs"),
+    ("values (checksum)", "teacher_topk_ids"),
+)
+FIELDS += DISTILL_FIELDS
 
 
 def fingerprint(
@@ -94,11 +109,14 @@ def fingerprint(
     weight: torch.Tensor,
     target: torch.Tensor,
     request: StatsRequest | None = None,
+    extra: list[object] | None = None,
 ) -> list[object]:
     """What must agree across the ranks for this call (``hidden [N, H]``, ``target [N]``
     flattened, before any gathering; ``request``: the token statistics asked for, None for
-    the loss), in the order of :data:`FIELDS`; floats or 0-d tensors (the checksums stay
+    the loss; ``extra``: the :data:`DISTILL_FIELDS` of a distillation call, None for
+    others), in the order of :data:`FIELDS`; floats or 0-d tensors (the checksums stay
     on the device until the one collective)."""
+    extra = [0.0] * len(DISTILL_FIELDS) if extra is None else list(extra)
     request = StatsRequest() if request is None else request
     temp = opts.temperature
     grad = torch.is_grad_enabled()
@@ -134,11 +152,11 @@ def fingerprint(
         float(grad and bias is not None and bias.requires_grad),
     ]
     if opts.sequence_parallel:  # each rank brings its own tokens: nothing to compare
-        return f + [0.0] * 6
+        return f + [0.0] * 6 + extra
     f.append(float(target.shape[0]))
     f += _checksum(target) + _checksum(hidden)
     f.append(_checksum(temp)[1] if isinstance(temp, torch.Tensor) else 0.0)
-    return f
+    return f + extra
 
 
 def _shown(field: int, value: float) -> str:

@@ -207,13 +207,16 @@ def prepare_call(
     num_items_in_batch: Any = None,
     request: StatsRequest | None = None,
     check: Callable[[LossOptions], None] | None = None,
+    agree: Callable[[], list] | None = None,
 ) -> Prepared:
     """The :class:`Prepared` call of an entry.
 
     ``resolve_mode(opts, track, dtype)``: the entry's mode (``track``: whether a backward
     can follow). ``request``: the token statistics asked for (compared across ranks like
     the options). ``check(opts)``: the entry's own checks of its options, raised like
-    the others. With ``check_inputs`` the ranks of the group first compare what must agree
+    the others. ``agree()``: the entry's own fields of the ranks' agreement
+    (``vocab_parallel.agreement.DISTILL_FIELDS``), called after the checks. With
+    ``check_inputs`` the ranks of the group first compare what must agree
     (``vocab_parallel.agreement``): a difference, or arguments refused on one rank, raise
     on every rank alike before any collective whose size depends on the inputs."""
     check_member(process_group)
@@ -232,7 +235,8 @@ def prepare_call(
     t1 = target.reshape(-1).to(torch.int64)
     h2 = hidden.reshape(t1.shape[0], hidden.shape[-1])  # not (-1, H): H may be 0
     if opts.check_inputs and world_size(process_group) > 1:
-        _agree(fingerprint(opts, h2, weight, t1, request), process_group, hidden.device)
+        extra = None if agree is None else agree()
+        _agree(fingerprint(opts, h2, weight, t1, request, extra), process_group, hidden.device)
     temp, accum = opts.temperature, precision.accumulate_dtype(hidden.dtype)
     slices = None  # sequence_parallel: all tokens of the group, gathered
     if opts.sequence_parallel:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vocab_parallel import options as _options
+from vocab_parallel.distillation import run_distillation
 from vocab_parallel.distributed import world_size
 from vocab_parallel.layout import shard_bounds
 from vocab_parallel.loss import LossOutput, run_loss
@@ -40,6 +41,12 @@ from vocab_parallel.token_stats import TOKEN_STATS_MODES, TokenStats, run_token_
 TOKEN_STATS_OPTIONS = (
     "ignore_index", "softcap", "temperature", "mode", "backend", "check_inputs",
     "sequence_parallel",
+)  # fmt: skip
+
+
+# The head's options that also shape its distillation loss.
+DISTILL_OPTIONS = (
+    "ignore_index", "softcap", "mode", "backend", "check_inputs", "sequence_parallel",
 )  # fmt: skip
 
 
@@ -279,6 +286,61 @@ class VocabParallelLMHead(nn.Module):
         )
         request = StatsRequest(entropy, sum_p_squared, top_k, argmax)
         return run_token_stats(hidden, self.weight, target, opts, request, self.process_group)
+
+    def distillation_loss(
+        self,
+        hidden: torch.Tensor,
+        teacher_head: VocabParallelLMHead,
+        teacher_hidden: torch.Tensor,
+        target: torch.Tensor | None = None,
+        *,
+        divergence: str = "forward_kl",
+        beta: float = 0.5,
+        temperature: float | torch.Tensor = 1.0,
+        hard_label_weight: float = 0.0,
+        reduction: str | None = None,
+        **options: Any,
+    ) -> torch.Tensor:
+        """The distillation loss of this head (the student) from ``teacher_head`` (another
+        :class:`VocabParallelLMHead` with the same shard layout; its hidden size may
+        differ): :func:`vocab_parallel.vocab_parallel_distillation_loss` with both heads'
+        shards and biases and this head's options (``softcap``, ``ignore_index``,
+        ``mode``, ``backend``, ``sequence_parallel``...; ``options`` override them for
+        this call). No gradient reaches the teacher's parameters."""
+        if not isinstance(teacher_head, VocabParallelLMHead):
+            raise TypeError(
+                f"teacher_head: expected a VocabParallelLMHead, got {type(teacher_head).__name__}"
+            )
+        mine = (self.vocab_size, self.vocab_start_index, self.vocab_end_index)
+        theirs = (teacher_head.vocab_size, teacher_head.vocab_start_index,
+                  teacher_head.vocab_end_index)  # fmt: skip
+        if mine != theirs:
+            raise ValueError(
+                f"teacher_head: its vocabulary rows {theirs[1:]} of {theirs[0]} differ from "
+                f"the student's {mine[1:]} of {mine[0]}; the heads must share one layout"
+            )
+        unknown = sorted(set(options) - set(DISTILL_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"{unknown[0]}: not an option of distillation_loss (its options: "
+                f"{', '.join(DISTILL_OPTIONS)})"
+            )
+        chosen = {name: getattr(self.options, name) for name in DISTILL_OPTIONS}
+        chosen.update(options)
+        opts = LossOptions(
+            reduction=reduction if reduction is not None else self.options.reduction,
+            temperature=temperature,
+            bias=self.bias,
+            vocab_start_index=self.vocab_start_index,
+            global_vocab_size=self.vocab_size,
+            **chosen,
+        )
+        given = dict(hidden=teacher_hidden, weight=teacher_head.weight, bias=teacher_head.bias,
+                     ids=None, logprobs=None)  # fmt: skip
+        return run_distillation(
+            hidden, self.weight, given, target, opts, self.process_group, divergence, beta,
+            hard_label_weight,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         shown = shown_options(self.options)

@@ -6,6 +6,8 @@ on purpose; they are for checking, not for training.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -197,3 +199,75 @@ def token_stats_reference(
         out["topk_logprobs"] = lp.gather(-1, ids).masked_fill(ignored[..., None], 0.0)
         out["topk_ids"] = ids.masked_fill(ignored[..., None], -1)
     return out
+
+
+def distillation_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    teacher_topk_ids: torch.Tensor | None = None,
+    teacher_topk_logprobs: torch.Tensor | None = None,
+    target: torch.Tensor | None = None,
+    divergence: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float | torch.Tensor = 1.0,
+    hard_label_weight: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The distillation loss on materialised logits, as its formulas read
+    (``docs/design.md``, "Distillation"): ``F.kl_div`` for the dense KLs, the mixture
+    for the JSD, the k bins and the tail bin for a top-k teacher; ``(1 - a) D + a CE``
+    per token (CE of the untempered student logits), 0 where ignored, the mean over the
+    others. Computed in the tensors' dtype (pass float64 leaves)."""
+
+    def capped(x, w, b):
+        z = F.linear(x, w, b)
+        return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+    z = capped(hidden, weight, bias)
+    z = z.reshape(-1, z.shape[-1])
+    temp = temperature
+    if isinstance(temp, torch.Tensor):
+        temp = temp.reshape(-1, 1).to(z.dtype)
+    ls = torch.log_softmax(z / temp, dim=-1)
+    if teacher_topk_ids is None:
+        zt = capped(teacher_hidden.to(z.dtype), teacher_weight.to(z.dtype),
+                    None if teacher_bias is None else teacher_bias.to(z.dtype))  # fmt: skip
+        lt = torch.log_softmax(zt.reshape(-1, zt.shape[-1]) / temp, dim=-1)
+        if divergence == "forward_kl":
+            d = F.kl_div(ls, lt, reduction="none", log_target=True).sum(-1)
+        elif divergence == "reverse_kl":
+            d = F.kl_div(lt, ls, reduction="none", log_target=True).sum(-1)
+        else:
+            lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), dim=0)
+            d = beta * F.kl_div(lm, lt, reduction="none", log_target=True).sum(-1) + (
+                1 - beta
+            ) * F.kl_div(lm, ls, reduction="none", log_target=True).sum(-1)
+    else:
+        ids = teacher_topk_ids.reshape(-1, teacher_topk_ids.shape[-1])
+        lp = teacher_topk_logprobs.reshape(ids.shape).to(z.dtype)
+        q = lp.exp()
+        ls_ids = ls.gather(1, ids)
+        d = torch.where(q > 0, q * (lp - ls_ids), 0.0).sum(-1)
+        r = (1 - q.sum(-1)).clamp(min=0)
+        tail = torch.log1p(-ls_ids.exp().sum(-1))
+        d = d + torch.where(r > 0, r * (torch.log(torch.where(r > 0, r, 1.0)) - tail), 0.0)
+    loss = d
+    if hard_label_weight:
+        ce = F.cross_entropy(z, target.reshape(-1), ignore_index=ignore_index, reduction="none")
+        loss = (1 - hard_label_weight) * d + hard_label_weight * ce
+    valid = torch.ones_like(loss, dtype=torch.bool)
+    if target is not None:
+        valid = target.reshape(-1) != ignore_index
+    loss = torch.where(valid, loss, 0.0)
+    if reduction == "none":
+        return loss.reshape(hidden.shape[:-1])
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().clamp(min=1)

@@ -1,0 +1,421 @@
+"""Distillation's math on one vocabulary shard, one chunk of columns at a time.
+
+Per token (``docs/design.md``, "Distillation"), with the student's capped logits ``z``,
+tempered ``u = z / T``, the teacher's tempered logits ``v`` (dense teacher) and this rank's
+columns walked in chunks, :func:`local_statistics` keeps online (rescaled when a running
+maximum grows, as the loss's sum-exp is):
+
+    student   m_s, s_s = sum e^(u - m_s)              reverse KL: a_s = sum e^(u - m_s) (u - v)
+    teacher   m_t, s_t = sum e^(v - m_t)              forward KL: a_t = sum e^(v - m_t) (v - u)
+    CE        z at the target; m_c, s_c of z when T != 1 (the CE is at T = 1)
+    top-k     u at the teacher's ids that are on this shard (0 elsewhere)
+
+:func:`reduce_statistics` makes one MAX all-reduce of ``[m_s, m_t, m_c]`` and one SUM
+all-reduce of the rescaled sums (the ``[N, k]`` logits at the ids ride in it), and the
+divergence follows per token; the JSD needs the normalisers first, so it walks the chunks
+a second time (:func:`jsd_sums`, one more SUM of two per-token sums). :func:`gradient_chunk`
+is ``d loss_i / d z_ij`` of one chunk (then ``G`` of the backends' two products,
+``vocab_parallel.chunking``). The logits of a chunk come from :class:`HeadLogits`:
+recomputed by a backend (``"torch"``: a chunked fp32 GEMM; ``"triton"``: the forward
+statistics kernel writing them, ``kernels/forward.py``), or read from saved ones.
+Nothing here is larger than a few ``[rows, chunk]`` tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from vocab_parallel import precision
+from vocab_parallel.distributed import all_reduce
+from vocab_parallel.interface import Logits
+from vocab_parallel.torch_backend import cap_, linear_logits
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+# Bytes of one fp32 [rows, cols] chunk of either head's logits; the math of a chunk holds
+# a handful of tensors of this size.
+CHUNK_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a distillation call computes besides the logits' options (``LossOptions``)."""
+
+    divergence: str = "forward_kl"
+    beta: float = 0.5
+    hard_label_weight: float = 0.0
+    sparse: bool = False  # the teacher as top-k ids and log-probs
+    has_target: bool = False
+
+    @property
+    def ce(self) -> bool:
+        return self.hard_label_weight > 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class Teacher:
+    """The teacher of the call's (gathered) tokens: dense (``hidden [N, Ht]``, ``weight
+    [V_local, Ht]``, ``bias``) or sparse (``ids [N, k]`` global int64, ``logprobs [N, k]``
+    in the statistics' dtype). No gradient reaches any of them."""
+
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+
+    def rows(self, r0: int, r1: int) -> Teacher:
+        def cut(t):
+            return None if t is None else t[r0:r1]
+
+        return Teacher(cut(self.hidden), self.weight, self.bias, cut(self.ids), cut(self.logprobs))
+
+
+def chunk_columns(rows: int, v: int) -> int:
+    """Columns per chunk: an fp32 ``[rows, cols]`` chunk fits :data:`CHUNK_BYTES`; a
+    multiple of 64, at least 64, at most ``v``."""
+    cols = CHUNK_BYTES // max(4, rows * 4)
+    cols = max(64, cols // 64 * 64)
+    return max(1, min(v, cols))
+
+
+class HeadLogits:
+    """One head's capped, untempered logits ``cap(x @ W.T + b)``, chunk by chunk, in the
+    statistics' dtype: recomputed by ``backend`` or, with ``saved`` (``[N, V_local]``),
+    read from it (``fill=True``: computed into it, high-performance mode)."""
+
+    def __init__(self, backend, x, weight, bias, softcap, accum, saved=None, fill=False):
+        self.backend, self.x, self.weight, self.bias = backend, x, weight, bias
+        self.softcap, self.accum, self.saved, self.fill = softcap, accum, saved, fill
+        self._x_op = self._no_target = None
+
+    def chunk(self, v0: int, v1: int) -> torch.Tensor:
+        if self.saved is not None and not self.fill:
+            return self.saved[:, v0:v1]
+        out = None if self.saved is None else self.saved[:, v0:v1]
+        bias = None if self.bias is None else self.bias[v0:v1]
+        if self.backend == "triton":
+            return self._triton(v0, v1, bias, out)
+        x = self.x
+        operand = precision.operand_dtype(x.dtype, x.device.type)
+        if self._x_op is None:
+            self._x_op = x.to(operand)
+        with precision.cpu_bf16_math(x.dtype, x.device.type):  # bf16 values: exact
+            z = linear_logits(self._x_op, self.weight[v0:v1].to(operand), bias, out=out)
+        z = z if z.dtype == self.accum else z.to(self.accum)
+        return cap_(z, self.softcap)
+
+    def _triton(self, v0, v1, bias, out):
+        """The forward statistics kernel with its logits written out (its statistics are
+        not used): the tile GEMM and the cap in Triton."""
+        from vocab_parallel.kernels import forward
+
+        x = self.x
+        if out is None:
+            out = torch.empty((x.shape[0], v1 - v0), dtype=torch.float32, device=x.device)
+        if self._no_target is None:
+            self._no_target = torch.full((x.shape[0],), -1, dtype=torch.int64, device=x.device)
+        logits = Logits(bias, self.softcap, None)
+        forward.forward_stats(x, self.weight[v0:v1], self._no_target, logits, logits_out=out)
+        return out
+
+
+class _Online:
+    """A running max ``m``, ``s = sum_j e^(y_j - m)`` and sums ``sum_j e^(y_j - m) t_j``
+    over chunks; the max starts at the most negative finite value (a chunk of ``-inf``
+    adds 0 and rescales by 1, as in the backends)."""
+
+    def __init__(self, rows: int, extras: int, accum, device):
+        self.m = torch.full((rows,), torch.finfo(accum).min, dtype=accum, device=device)
+        self.s = torch.zeros(rows, dtype=accum, device=device)
+        self.extra = [torch.zeros_like(self.s) for _ in range(extras)]
+
+    def add(self, y: torch.Tensor, *terms: torch.Tensor) -> None:
+        new = torch.maximum(self.m, y.max(dim=1).values)
+        decay = torch.exp(self.m - new)
+        e = torch.sub(y, new[:, None]).exp_()
+        self.s = self.s * decay + e.sum(dim=1)
+        for i, t in enumerate(terms):
+            self.extra[i] = self.extra[i] * decay + _weighted_sum(e, t)
+        self.m = new
+
+    def rescaled(self, shift: torch.Tensor) -> list[torch.Tensor]:
+        decay = torch.exp(self.m - shift)
+        return [self.s * decay] + [t * decay for t in self.extra]
+
+
+def _weighted_sum(e: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``sum_j e_j t_j`` per row, where ``e_j = 0`` adds 0 even if ``t_j`` is infinite (a
+    ``-inf`` logit). ``t`` is a fresh term of the caller's and becomes the products (no
+    temporary: an ``einsum`` here grew with the vocabulary); the rows that came out NaN
+    (only such ``0 * inf``, or a NaN already there) are summed again with those masked."""
+    prod = t.mul_(e)
+    out = prod.sum(dim=1)
+    bad = torch.isnan(out)
+    if bool(bad.any()):
+        rows = bad.nonzero()[:, 0]
+        out[rows] = torch.where(e[rows] > 0, prod[rows], 0.0).sum(dim=1)
+    return out
+
+
+class Columns(NamedTuple):
+    """Where each row's columns of interest are on this shard: ``target`` ``[N]`` and the
+    teacher's top-k ``ids`` ``[N, k]`` (local columns, -1 elsewhere)."""
+
+    target: torch.Tensor | None
+    ids: torch.Tensor | None
+
+
+def _in_chunk(cols: torch.Tensor, v0: int, v1: int):
+    """``(here, index)``: which of ``cols`` fall in ``[v0, v1)``, and their chunk column
+    (clamped, for a gather or scatter masked by ``here``)."""
+    here = (cols >= v0) & (cols < v1)
+    return here, (cols - v0).clamp(0, v1 - v0 - 1)
+
+
+class LocalStats(NamedTuple):
+    student: _Online
+    teacher: _Online | None
+    ce: _Online | None
+    predicted: torch.Tensor | None
+    at_ids: torch.Tensor | None
+
+
+def local_statistics(
+    spec: Spec,
+    student: HeadLogits,
+    teacher: HeadLogits | None,
+    inv_t: torch.Tensor | None,
+    cols: Columns,
+    v: int,
+    rows: int,
+    accum,
+    device,
+) -> LocalStats:
+    """This rank's per-row statistics (the module docstring), one pass over its columns."""
+    div = spec.divergence
+    stu = _Online(rows, 1 if (div == "reverse_kl" and not spec.sparse) else 0, accum, device)
+    tea = None
+    if not spec.sparse:
+        tea = _Online(rows, 1 if div == "forward_kl" else 0, accum, device)
+    scaled = inv_t is not None
+    ce = _Online(rows, 0, accum, device) if spec.ce and scaled else None
+    predicted = torch.zeros(rows, dtype=accum, device=device) if spec.ce else None
+    at_ids = None
+    if spec.sparse:
+        at_ids = torch.zeros(cols.ids.shape, dtype=accum, device=device)
+    if rows == 0 or v == 0:
+        return LocalStats(stu, tea, ce, predicted, at_ids)
+    it = None if inv_t is None else inv_t[:, None]
+    for v0 in range(0, v, chunk_columns(rows, v)):
+        v1 = min(v, v0 + chunk_columns(rows, v))
+        z = student.chunk(v0, v1)
+        u = z if it is None else z * it
+        if spec.sparse:
+            stu.add(u)
+            here, idx = _in_chunk(cols.ids, v0, v1)
+            at_ids += torch.where(here, u.gather(1, idx), 0.0)
+        else:
+            t = teacher.chunk(v0, v1)
+            vt = t if it is None else t * it
+            if div == "forward_kl":
+                stu.add(u)
+                tea.add(vt, vt - u)
+            elif div == "reverse_kl":
+                stu.add(u, u - vt)
+                tea.add(vt)
+            else:
+                stu.add(u)
+                tea.add(vt)
+        if spec.ce:
+            here, idx = _in_chunk(cols.target, v0, v1)
+            predicted += torch.where(here, z.gather(1, idx[:, None]).squeeze(1), 0.0)
+            if ce is not None:
+                ce.add(z)
+    return LocalStats(stu, tea, ce, predicted, at_ids)
+
+
+class RowTerms(NamedTuple):
+    """Per-row results of the all-reduces: the divergence ``d`` and cross entropy ``ce``
+    (None without), the student's (tempered) and the teacher's log-normalisers ``ls``,
+    ``lt``, the untempered one ``l1`` (CE, T != 1), and the divergence's constant of
+    its gradient ``coef`` (reverse KL: ``lt - ls - d``; JSD: ``KL(p_s || m)``; top-k:
+    ``alpha``, the factor of ``p_s`` off the ids), top-k: the teacher's ``q = exp(lp)``."""
+
+    d: torch.Tensor
+    ce: torch.Tensor | None
+    ls: torch.Tensor
+    lt: torch.Tensor | None
+    l1: torch.Tensor | None
+    coef: torch.Tensor | None
+    q: torch.Tensor | None
+
+
+def reduce_statistics(spec: Spec, stats: LocalStats, teacher: Teacher, group) -> RowTerms:
+    """The MAX and the SUM all-reduce of the local statistics, and the per-row terms
+    (top-k divergence included; the JSD's needs :func:`jsd_sums` next)."""
+    heads = [h for h in (stats.student, stats.teacher, stats.ce) if h is not None]
+    maxes = all_reduce(torch.stack([h.m for h in heads]), "MAX", group, "logits maxima")
+    parts = [r for h, m in zip(heads, maxes, strict=True) for r in h.rescaled(m)]
+    if stats.predicted is not None:
+        parts.append(stats.predicted)
+    rows = [p[None, :] for p in parts]
+    if stats.at_ids is not None:
+        rows.append(stats.at_ids.t())
+    sums = all_reduce(torch.cat(rows), "SUM", group, "distillation sums")
+    it = iter(sums)
+    s_s = next(it)
+    a_s = next(it) if stats.student.extra else None
+    ls = maxes[0] + torch.log(s_s)
+    lt = d = coef = q = None
+    if stats.teacher is not None:
+        s_t = next(it)
+        a_t = next(it) if stats.teacher.extra else None
+        lt = maxes[1] + torch.log(s_t)
+        if spec.divergence == "forward_kl":
+            d = a_t / s_t - lt + ls
+        elif spec.divergence == "reverse_kl":
+            d = a_s / s_s - ls + lt
+            coef = lt - ls - d
+    l1 = None
+    if stats.ce is not None:
+        l1 = maxes[-1] + torch.log(next(it))
+    ce = None
+    if stats.predicted is not None:
+        ce = (ls if l1 is None else l1) - next(it)
+    if spec.sparse:
+        at_ids = sums[-stats.at_ids.shape[1] :].t() if stats.at_ids.shape[1] else stats.at_ids
+        d, coef, q = _topk_divergence(teacher.logprobs, at_ids - ls[:, None])
+    return RowTerms(d, ce, ls, lt, l1, coef, q)
+
+
+def _topk_divergence(lp: torch.Tensor, ls_ids: torch.Tensor):
+    """``(d, alpha, q)`` of the forward KL against a top-k teacher (``lp``: its log-probs,
+    ``ls_ids``: the student's at the same ids): the k bins and the tail bin
+    ``r (log r - log(1 - P))``, ``r = 1 - sum q``, ``P = sum p_s`` at the ids (0 when
+    ``r = 0``); ``alpha = 1 - r / (1 - P)`` is the gradient's factor of ``p_s`` off the ids."""
+    q = torch.exp(lp)
+    d = (q * torch.where(q > 0, lp - ls_ids, 0.0)).sum(dim=1)
+    r = (1.0 - q.sum(dim=1)).clamp(min=0.0)
+    p = torch.exp(ls_ids).sum(dim=1)
+    log_tail = torch.log1p(-p.clamp(max=1.0))
+    tail = r > 0
+    d = d + torch.where(tail, r * (torch.log(torch.where(tail, r, 1.0)) - log_tail), 0.0)
+    alpha = torch.where(tail, 1.0 - r / torch.exp(log_tail), 1.0)
+    return d, alpha, q
+
+
+def jsd_sums(
+    spec: Spec,
+    student: HeadLogits,
+    teacher: HeadLogits,
+    inv_t,
+    terms: RowTerms,
+    v: int,
+    rows: int,
+    group,
+) -> RowTerms:
+    """The JSD's second pass: ``K_t = sum p_t log(p_t / m)`` and ``K_s = sum p_s log(p_s /
+    m)``, ``m = beta p_t + (1 - beta) p_s``, one SUM all-reduce of both; ``d = beta K_t +
+    (1 - beta) K_s``, ``coef = K_s``."""
+    k = torch.zeros((2, rows), dtype=terms.ls.dtype, device=terms.ls.device)
+    it = None if inv_t is None else inv_t[:, None]
+    lb, l1b = math.log(spec.beta), math.log1p(-spec.beta)
+    if rows and v:
+        cv = chunk_columns(rows, v)
+        for v0 in range(0, v, cv):
+            v1 = min(v, v0 + cv)
+            z, t = student.chunk(v0, v1), teacher.chunk(v0, v1)
+            ls = (z if it is None else z * it) - terms.ls[:, None]
+            lt = (t if it is None else t * it) - terms.lt[:, None]
+            lm = torch.logaddexp(lt + lb, ls + l1b)
+            for row, lp in ((0, lt), (1, ls)):
+                k[row] += _weighted_sum(torch.exp(lp), lp - lm)
+    all_reduce(k, "SUM", group, "JSD sums")
+    d = spec.beta * k[0] + (1.0 - spec.beta) * k[1]
+    return terms._replace(d=d, coef=k[1])
+
+
+def gradient_chunk(
+    spec: Spec,
+    terms: RowTerms,
+    z: torch.Tensor,
+    t: torch.Tensor | None,
+    inv_t,
+    scale_d: torch.Tensor,
+    scale_ce: torch.Tensor | None,
+    cols: Columns,
+    v0: int,
+    v1: int,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``d loss / d r`` of one chunk (``r``: the student's raw logits ``x W^T + b``):
+
+        G = scale_d / T * dD/du + scale_ce (p1 - onehot), then times cap'(r)
+
+    with ``dD/du`` of the divergence (``docs/design.md``, "Distillation"): forward KL
+    ``p_s - p_t``; reverse KL ``p_s (u - v + coef)``; JSD ``(1 - beta) p_s (log p_s -
+    log m - coef)``; top-k ``alpha p_s``, plus ``(1 - alpha) p_s - q`` at the ids.
+    ``scale_d``, ``scale_ce``: per row, the upstream gradient times ``1 - a`` and ``a``
+    (0 for ignored rows). ``z`` is read, never written (it may be saved logits)."""
+    it = None if inv_t is None else inv_t[:, None]
+    u = z if it is None else z * it
+    div = spec.divergence
+    if div == "forward_kl" and not spec.sparse:
+        return _forward_kl_chunk(terms, z, u, t, it, scale_d, scale_ce, cols, v0, v1, softcap)
+    ls = u - terms.ls[:, None]
+    ps = torch.exp(ls)
+    if spec.sparse:
+        g = ps * terms.coef[:, None]
+        here, idx = _in_chunk(cols.ids, v0, v1)
+        extra = (1.0 - terms.coef[:, None]) * ps.gather(1, idx) - terms.q
+        g.scatter_add_(1, idx, torch.where(here, extra, 0.0))
+    else:
+        vt = t if it is None else t * it
+        lt = vt - terms.lt[:, None]
+        if div == "forward_kl":
+            g = ps - torch.exp(lt)
+        elif div == "reverse_kl":
+            g = ps * torch.where(ps > 0, (u - vt) + terms.coef[:, None], 0.0)
+        else:
+            lm = torch.logaddexp(lt + math.log(spec.beta), ls + math.log1p(-spec.beta))
+            g = (1.0 - spec.beta) * ps * torch.where(ps > 0, ls - lm - terms.coef[:, None], 0.0)
+    scale = scale_d if it is None else scale_d * inv_t
+    g.mul_(scale[:, None])
+    if scale_ce is not None:
+        p1 = ps if terms.l1 is None else torch.exp(z - terms.l1[:, None])
+        here, idx = _in_chunk(cols.target, v0, v1)
+        p1.mul_(scale_ce[:, None])
+        p1.scatter_add_(1, idx[:, None], torch.where(here, -scale_ce, 0.0)[:, None])
+        g.add_(p1)
+    return _through_cap(g, z, softcap)
+
+
+def _through_cap(g: torch.Tensor, z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``g`` times the cap's derivative ``1 - (z / c)^2`` (in place)."""
+    if softcap is not None:
+        g.mul_(torch.div(z, softcap).square_().neg_().add_(1.0))
+    return g
+
+
+def _forward_kl_chunk(terms, z, u, t, it, scale_d, scale_ce, cols, v0, v1, softcap):
+    """:func:`gradient_chunk` of the forward KL, formed in place: ``G = c_d (p_s - p_t) +
+    c_ce (p1 - onehot)``; without a temperature ``p1 = p_s``, so ``G = (c_d + c_ce) p_s -
+    c_d p_t - c_ce onehot`` and no third tensor is made."""
+    c_d = (scale_d if it is None else scale_d * it[:, 0])[:, None]
+    ps = torch.sub(u, terms.ls[:, None]).exp_()
+    pt = (t if it is None else t * it).sub(terms.lt[:, None]).exp_()
+    if scale_ce is None:
+        g = ps.sub_(pt).mul_(c_d)
+    elif terms.l1 is None:
+        g = ps.mul_(c_d + scale_ce[:, None]).sub_(pt.mul_(c_d))
+    else:
+        g = ps.sub_(pt).mul_(c_d)
+        g.add_(torch.sub(z, terms.l1[:, None]).exp_().mul_(scale_ce[:, None]))
+    if scale_ce is not None:
+        here, idx = _in_chunk(cols.target, v0, v1)
+        g.scatter_add_(1, idx[:, None], torch.where(here, -scale_ce, 0.0)[:, None])
+    return _through_cap(g, z, softcap)

@@ -1,0 +1,645 @@
+"""Knowledge distillation between two vocabulary-sharded heads, neither's logits kept.
+
+    loss = vocab_parallel_distillation_loss(hidden, weight, teacher_hidden=h_t,
+                                            teacher_weight=w_t, target=labels,
+                                            hard_label_weight=0.1)
+
+With ``z_s = softcap(hidden @ W.T + b)``, ``p_s = softmax(z_s / T)`` over the GLOBAL
+vocabulary and the teacher's ``p_t`` (``softmax(softcap(teacher_hidden @ W_t.T + b_t) /
+T)``, ``W_t`` the same vocabulary rows as ``W``; or its top-k log-probs and the tail bin),
+each token's loss is ``(1 - a) D(p_t, p_s) + a CE(z_s, target)`` (``docs/design.md``,
+"Distillation": the formulas, the collectives). Every rank walks its own columns in
+chunks (``vocab_parallel.distill_stats``); the normalisers of both heads and the
+divergence's sums are per-token scalars in one MAX and one SUM all-reduce (the JSD adds a
+second pass and one more SUM of two). Gradients reach the student's hidden, weight and
+bias only.
+
+Modes: ``"memory_saving"`` recomputes both heads' logits in the backward (nothing
+``[tokens, V_local]`` kept); ``"high_performance"`` keeps both heads' fp32 logits shard;
+``"grad_in_forward"`` (``"auto"`` for a scalar loss that will be differentiated, not fp16
+nor float64) walks token chunks in the forward, keeps one chunk of both heads' logits,
+and computes the gradients there, so the logits of each head are made once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vocab_parallel import precision
+from vocab_parallel import sequence_parallel as _sp
+from vocab_parallel.agreement import _checksum
+from vocab_parallel.autograd import guarded_backward, no_autocast, sum_grad_input
+from vocab_parallel.chunking import gradient_products
+from vocab_parallel.distill_stats import (
+    DIVERGENCES,
+    Columns,
+    HeadLogits,
+    RowTerms,
+    Spec,
+    Teacher,
+    chunk_columns,
+    gradient_chunk,
+    jsd_sums,
+    local_statistics,
+    reduce_statistics,
+)
+from vocab_parallel.distributed import all_reduce, world_size
+from vocab_parallel.dtensor import is_dtensor
+from vocab_parallel.entry import autocast_inputs, prepare_call
+from vocab_parallel.interface import Outputs
+from vocab_parallel.options import LossOptions
+from vocab_parallel.reduction import mean_denominator, reduce_losses
+from vocab_parallel.stats import Call
+
+__all__ = ["DIVERGENCES", "vocab_parallel_distillation_loss"]
+
+# Bytes of one head's fp32 [rows, V_local] logits chunk kept by grad_in_forward (two heads).
+GIF_CHUNK_BYTES = {"cpu": 128 * 1024 * 1024}
+GIF_DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+GIF_MAX_ROWS = {"cpu": 512}
+
+
+def vocab_parallel_distillation_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    teacher_topk_ids: torch.Tensor | None = None,
+    teacher_topk_logprobs: torch.Tensor | None = None,
+    target: torch.Tensor | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    divergence: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float | torch.Tensor = 1.0,
+    hard_label_weight: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    vocab_start_index: int | None = None,
+    global_vocab_size: int | None = None,
+    sequence_parallel: bool = False,
+    mode: str = "auto",
+    backend: str = "auto",
+    check_inputs: bool = True,
+) -> torch.Tensor:
+    """The divergence between a teacher and the student head ``hidden @ weight.T`` (this
+    rank's vocabulary shard), per token, over the global vocabulary; no logits kept.
+
+    Args:
+        hidden: ``[..., H]`` the student's hidden states (fp32/fp16/bf16; float64: torch
+            backend), identical on every rank (this rank's tokens with
+            ``sequence_parallel``).
+        weight: ``[V_local, H]`` the student's rows (a ``Shard(0)`` DTensor too); ``bias``
+            its ``[V_local]`` rows.
+        teacher_hidden, teacher_weight, teacher_bias: the dense teacher: ``[..., H_t]``
+            (replicated like ``hidden``; ``H_t`` may differ from ``H``), ``[V_local, H_t]``
+            (the same vocabulary rows as ``weight``), ``[V_local]``. Any float dtype
+            (hidden and weight alike); its logits are ``softcap(teacher_hidden @
+            teacher_weight.T + teacher_bias) / temperature``.
+        teacher_topk_ids, teacher_topk_logprobs: the sparse teacher (a rollout engine's):
+            ``[..., k]`` distinct global ids and the teacher's log-probs at them
+            (temperature already applied); the tail ``r = 1 - sum exp(logprobs)`` is one
+            more bin. ``forward_kl`` only.
+        target: ``[...]`` hard labels (``ignore_index``: a token with no loss at all);
+            needed when ``hard_label_weight > 0``.
+        divergence: ``"forward_kl"`` ``KL(p_t || p_s)``, ``"reverse_kl"`` ``KL(p_s ||
+            p_t)`` or ``"jsd"`` ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)``, ``m = beta
+            p_t + (1 - beta) p_s``, ``0 < beta < 1``.
+        temperature: ``T > 0`` (a float or per token): both heads' logits are divided by
+            it. No ``T^2`` factor is applied (multiply the loss yourself if you want one).
+        hard_label_weight: ``a`` in ``(1 - a) D + a CE``, ``0 <= a <= 1``; the cross
+            entropy is of the untempered student logits (``T = 1``).
+        reduction: ``"mean"`` (over non-ignored tokens), ``"sum"`` or ``"none"`` (shape of
+            the tokens; this rank's tokens with ``sequence_parallel``).
+        process_group, vocab_start_index, global_vocab_size, softcap (both heads),
+        sequence_parallel, backend, check_inputs: as in
+            :func:`~vocab_parallel.loss.vocab_parallel_linear_cross_entropy`.
+        mode: ``"auto"``, ``"grad_in_forward"``, ``"memory_saving"`` or
+            ``"high_performance"`` (the module docstring).
+
+    Returns:
+        The fp32 loss (float64 for float64 inputs): a scalar, or per token.
+
+    Raises:
+        TypeError, ValueError: naming the parameter, on every rank of the group alike.
+    """
+    opts = LossOptions(
+        ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+        temperature=temperature, bias=bias, mode=mode, backend=backend,
+        check_inputs=check_inputs, sequence_parallel=sequence_parallel,
+        vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+    )  # fmt: skip
+    given = dict(
+        hidden=teacher_hidden, weight=teacher_weight, bias=teacher_bias,
+        ids=teacher_topk_ids, logprobs=teacher_topk_logprobs,
+    )  # fmt: skip
+    return run_distillation(
+        hidden, weight, given, target, opts, process_group, divergence, beta, hard_label_weight
+    )
+
+
+def _number(name: str, value: Any, lo: float, hi: float, open_ends: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    ok = lo < value < hi if open_ends else lo <= value <= hi
+    if not ok:
+        sign = "<" if open_ends else "<="
+        raise ValueError(f"{name}: expected {lo:g} {sign} {name} {sign} {hi:g}, got {value}")
+    return float(value)
+
+
+def _token_shape(hidden, sequence_parallel: bool) -> tuple:
+    """The token dims of ``hidden`` as the loss will see them (a DTensor's local tokens
+    under sequence parallelism, else its global ones)."""
+    if is_dtensor(hidden) and sequence_parallel:
+        from vocab_parallel.dtensor import _is_replicate
+
+        if not _is_replicate(hidden.placements[0]):
+            return tuple(hidden.to_local().shape[:-1])
+    return tuple(hidden.shape[:-1])
+
+
+def _local(t, name: str, sequence_parallel: bool = False, rows: bool = False):
+    """A teacher DTensor as a plain tensor: a weight or bias (``rows``) placed Shard(0)
+    gives its local rows; hidden states their local tokens under sequence parallelism
+    (else all of them)."""
+    if not is_dtensor(t):
+        return t
+    from vocab_parallel.dtensor import _is_replicate, _is_shard
+
+    p = t.placements[0]
+    if rows:
+        if t.device_mesh.ndim != 1 or not _is_shard(p, 0, t.dim()):
+            raise ValueError(f"{name}: a DTensor placed {p!r}; expected Shard(0) on a 1-D mesh")
+        return t.to_local()
+    if _is_replicate(p) or sequence_parallel:
+        return t.to_local()
+    return t.full_tensor()
+
+
+def _check_teacher(hidden, weight, given: dict, target, opts: LossOptions, spec: Spec) -> dict:
+    """The teacher's tensors checked against the student's (messages name the
+    parameter), DTensors unwrapped: the plain tensors by the names of ``given``."""
+    dense = given["hidden"] is not None or given["weight"] is not None
+    sparse = given["ids"] is not None or given["logprobs"] is not None
+    if dense == sparse:
+        raise ValueError(
+            "teacher_hidden: give the dense teacher (teacher_hidden and teacher_weight) or "
+            "the sparse one (teacher_topk_ids and teacher_topk_logprobs), exactly one"
+        )
+    sp = opts.sequence_parallel
+    tokens = _token_shape(hidden, sp) if isinstance(hidden, torch.Tensor) else None
+    out = {}
+    if dense:
+        for name in ("hidden", "weight"):
+            if not isinstance(given[name], torch.Tensor):
+                other = "teacher_weight" if name == "hidden" else "teacher_hidden"
+                raise TypeError(
+                    f"teacher_{name}: expected a torch.Tensor (with {other}), got "
+                    f"{type(given[name]).__name__}"
+                )
+        th = _local(given["hidden"], "teacher_hidden", sp)
+        tw = _local(given["weight"], "teacher_weight", rows=True)
+        tb = given["bias"]
+        if tb is not None and not isinstance(tb, torch.Tensor):
+            raise TypeError(f"teacher_bias: expected None or a tensor, got {type(tb).__name__}")
+        tb = _local(tb, "teacher_bias", rows=True)
+        if not th.is_floating_point() or th.dim() < 1:
+            raise TypeError(
+                f"teacher_hidden: expected a floating tensor [..., H_t], got {th.dtype}"
+            )
+        if tw.dim() != 2 or tw.dtype != th.dtype:
+            raise TypeError(
+                f"teacher_weight: expected a 2-D tensor [V_local, H_t] of teacher_hidden's "
+                f"dtype {th.dtype}, got shape {tuple(tw.shape)} and {tw.dtype}"
+            )
+        if tokens is not None and tuple(th.shape[:-1]) != tokens:
+            raise ValueError(
+                f"teacher_hidden: expected the tokens of hidden {tokens} (then H_t), got "
+                f"shape {tuple(th.shape)}"
+            )
+        rows = weight.to_local().shape[0] if is_dtensor(weight) else weight.shape[0]
+        if tuple(tw.shape) != (rows, th.shape[-1]):
+            raise ValueError(
+                f"teacher_weight: expected shape [{rows}, {th.shape[-1]}] (the vocabulary "
+                f"rows of weight, teacher_hidden's size), got {tuple(tw.shape)}"
+            )
+        if tb is not None and (tuple(tb.shape) != (rows,) or tb.dtype != tw.dtype):
+            raise ValueError(
+                f"teacher_bias: expected shape [{rows}] and dtype {tw.dtype}, got "
+                f"{tuple(tb.shape)} and {tb.dtype}"
+            )
+        out = dict(hidden=th, weight=tw, bias=tb)
+    else:
+        if given["bias"] is not None:
+            raise ValueError("teacher_bias: only with the dense teacher (teacher_weight)")
+        ids, lps = given["ids"], given["logprobs"]
+        for name, t in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", lps)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        ids = _local(ids, "teacher_topk_ids", sp)
+        lps = _local(lps, "teacher_topk_logprobs", sp)
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"teacher_topk_ids: expected an integer dtype, got {ids.dtype}")
+        if not lps.is_floating_point():
+            raise TypeError(f"teacher_topk_logprobs: expected a float dtype, got {lps.dtype}")
+        if ids.dim() < 1 or ids.shape[-1] < 1 or (tokens is not None and ids.shape[:-1] != tokens):
+            raise ValueError(
+                f"teacher_topk_ids: expected shape [*{tokens}, k] with k >= 1, got "
+                f"{tuple(ids.shape)}"
+            )
+        if tuple(lps.shape) != tuple(ids.shape):
+            raise ValueError(
+                f"teacher_topk_logprobs: expected the shape of teacher_topk_ids "
+                f"{tuple(ids.shape)}, got {tuple(lps.shape)}"
+            )
+        if spec.divergence != "forward_kl":
+            raise ValueError(
+                f"divergence: {spec.divergence!r} needs the dense teacher; the top-k teacher "
+                "gives forward_kl (its tail is one bin)"
+            )
+        out = dict(ids=ids, logprobs=lps)
+    device = hidden.device if isinstance(hidden, torch.Tensor) else None
+    for name, t in out.items():
+        if t is not None and device is not None and t.device != device:
+            raise ValueError(f"teacher_{name}: on device {t.device}, but hidden is on {device}")
+    if spec.ce and target is None:
+        raise ValueError("target: hard_label_weight > 0 needs the hard labels (target)")
+    return out
+
+
+def run_distillation(
+    hidden, weight, given: dict, target, opts: LossOptions, process_group, divergence, beta,
+    hard_label_weight,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`vocab_parallel_distillation_loss` for options already made (the LM head's
+    entry); ``given``: the teacher's tensors by name (``hidden``, ``weight``, ``bias``,
+    ``ids``, ``logprobs``)."""
+    checked: dict = {}
+    spec_box: list[Spec] = []
+
+    def check(o: LossOptions) -> None:
+        if divergence not in DIVERGENCES:
+            raise ValueError(f"divergence: expected one of {DIVERGENCES}, got {divergence!r}")
+        b = _number("beta", beta, 0.0, 1.0, open_ends=True)
+        a = _number("hard_label_weight", hard_label_weight, 0.0, 1.0, open_ends=False)
+        sparse = given["ids"] is not None or given["logprobs"] is not None
+        spec = Spec(divergence, b, a, sparse, target is not None)
+        if o.label_smoothing or o.z_loss or o.class_weight is not None or o.return_lse:
+            raise ValueError("options: label_smoothing, z_loss, class_weight and return_lse "
+                             "are options of the cross entropy, not of distillation")  # fmt: skip
+        checked.update(_check_teacher(hidden, weight, given, target, o, spec))
+        spec_box.append(spec)
+
+    def agree() -> list:
+        spec = spec_box[0]
+        sp = opts.sequence_parallel
+        code = float(DIVERGENCES.index(spec.divergence))
+        if spec.sparse:
+            ids, lps = checked["ids"], checked["logprobs"]
+            sums = [0.0, 0.0] + ([0.0, 0.0] if sp else [_checksum(lps)[1], _checksum(ids)[1]])
+            return [code, spec.beta, spec.hard_label_weight, 2.0, float(ids.shape[-1]), 0.0,
+                    float(spec.has_target), *sums]  # fmt: skip
+        th = checked["hidden"]
+        sums = [0.0, 0.0] if sp else _checksum(th.reshape(-1, th.shape[-1]))
+        given_bias = float(checked["bias"] is not None)
+        return [code, spec.beta, spec.hard_label_weight, 1.0, float(th.shape[-1]), given_bias,
+                float(spec.has_target), *sums, 0.0, 0.0]  # fmt: skip
+
+    if target is None:  # no hard labels: every token counts (the checks see zeros)
+        shape = _token_shape(hidden, opts.sequence_parallel) if isinstance(
+            hidden, torch.Tensor) else ()  # fmt: skip
+        device = hidden.device if isinstance(hidden, torch.Tensor) else None
+        target_t = torch.zeros(shape, dtype=torch.int64, device=device)
+    else:
+        target_t = target
+    call, h2, weight, bias, t1, slices, shape = prepare_call(
+        hidden, weight, target_t, opts, process_group, _resolve_mode, check=check, agree=agree
+    )
+    spec = spec_box[0]
+    teacher = _gather_teacher(checked, spec, slices, precision.accumulate_dtype(h2.dtype))
+    if call.opts.check_inputs and spec.sparse:
+        _check_topk(teacher, t1, spec, call)
+    reduction = call.opts.reduction
+    if call.mode == "grad_in_forward":
+        needs = tuple(t is not None and t.requires_grad for t in (h2, weight, bias))
+        return GradInForwardDistillation.apply(h2, weight, bias, t1, call, spec, teacher, needs)
+    losses, weights = DistillationFunction.apply(h2, weight, bias, t1, call, spec, teacher)
+    if reduction == "none":
+        return _sp.own_tokens(losses, slices).reshape(shape)
+    return reduce_losses(losses, weights, reduction)
+
+
+def _resolve_mode(opts: LossOptions, track: bool, dtype) -> str:
+    mode = opts.mode
+    if mode in ("memory_saving", "high_performance"):
+        return mode
+    if mode == "auto" and dtype in (torch.float16, torch.float64):
+        return "memory_saving"  # as the loss (vocab_parallel.loss.resolve_mode)
+    if opts.reduction != "none" and track:
+        return "grad_in_forward"
+    return "memory_saving"
+
+
+def _gather_teacher(checked: dict, spec: Spec, slices, accum) -> Teacher:
+    """The teacher's tensors flattened to the call's tokens (gathered under sequence
+    parallelism), autocast like the student's, detached; top-k log-probs in ``accum``."""
+
+    def rows(t, width):
+        t = t.detach().reshape(-1, width)
+        return t if slices is None else _sp.all_gather_rows(t, slices, "teacher")
+
+    if spec.sparse:
+        k = checked["ids"].shape[-1]
+        ids = rows(checked["ids"].to(torch.int64), k)
+        return Teacher(ids=ids, logprobs=rows(checked["logprobs"], k).to(accum))
+    th, tw, tb = autocast_inputs(checked["hidden"], checked["weight"], checked["bias"])
+    th = rows(th, th.shape[-1])
+    return Teacher(th, tw.detach(), None if tb is None else tb.detach())
+
+
+def _check_topk(teacher: Teacher, target: torch.Tensor, spec: Spec, call: Call) -> None:
+    """Top-k ids in the global vocabulary and distinct, log-probs not NaN nor above 0 by
+    more than rounding, per token (ignored tokens are not read); the same tensors on every
+    rank (replicated, or gathered), so the same error everywhere."""
+    ids, lps = teacher.ids, teacher.logprobs
+    keep = target != call.opts.ignore_index if spec.has_target else None
+    if keep is not None:
+        ids, lps = ids[keep], lps[keep]
+    vg = call.layout.global_size
+    if ids.numel() == 0:
+        return
+    if bool(((ids < 0) | (ids >= vg)).any()):
+        raise ValueError(f"teacher_topk_ids: expected ids in [0, {vg}) (the global vocabulary)")
+    if ids.shape[1] > 1:
+        s = ids.sort(dim=1).values
+        if bool((s[:, 1:] == s[:, :-1]).any()):
+            raise ValueError("teacher_topk_ids: expected distinct ids per token")
+    if bool(torch.isnan(lps).any()) or bool((torch.exp(lps).sum(dim=1) > 1.01).any()):
+        raise ValueError(
+            "teacher_topk_logprobs: expected log-probs (no NaN, exp summing to at most 1)"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# The autograd Functions
+# ---------------------------------------------------------------------------------------
+
+
+def _columns(call: Call, spec: Spec, target, teacher: Teacher):
+    """``(Columns, ignored)`` of these tokens on this rank's shard."""
+    start, size = call.layout.start, call.layout.size
+    if spec.has_target:
+        ignored = target == call.opts.ignore_index
+    else:
+        ignored = torch.zeros(target.shape, dtype=torch.bool, device=target.device)
+    local_target = None
+    if spec.ce:
+        local = target - start
+        here = (local >= 0) & (local < size) & ~ignored
+        local_target = torch.where(here, local, -1)
+    local_ids = None
+    if spec.sparse:
+        local = teacher.ids - start
+        local_ids = torch.where((local >= 0) & (local < size), local, -1)
+    return Columns(local_target, local_ids), ignored
+
+
+def _heads(call, spec, hidden, weight, bias, teacher, saved=(None, None), fill=False):
+    accum = precision.accumulate_dtype(hidden.dtype)
+    cap = call.opts.softcap
+    student = HeadLogits(call.backend, hidden, weight, bias, cap, accum, saved[0], fill)
+    if spec.sparse:
+        return student, None
+    tea = HeadLogits(
+        call.backend, teacher.hidden, teacher.weight, teacher.bias, cap, accum, saved[1], fill
+    )
+    return student, tea
+
+
+def _forward_terms(call, spec, student, tea, teacher, cols, inv_t, rows, v) -> RowTerms:
+    """The per-row terms of these tokens: the first pass (filling saved logits, if any),
+    the all-reduces, and the JSD's second pass (reading them)."""
+    accum, device = student.accum, student.x.device
+    stats = local_statistics(spec, student, tea, inv_t, cols, v, rows, accum, device)
+    for head in (student, tea):
+        if head is not None:
+            head.fill = False
+    terms = reduce_statistics(spec, stats, teacher, call.process_group)
+    if spec.divergence == "jsd":
+        terms = jsd_sums(spec, student, tea, inv_t, terms, v, rows, call.process_group)
+    return terms
+
+
+def _token_losses(spec: Spec, terms: RowTerms, ignored) -> torch.Tensor:
+    a = spec.hard_label_weight
+    loss = terms.d if a == 0.0 else (1.0 - a) * terms.d + a * terms.ce
+    return loss.masked_fill(ignored, 0.0)
+
+
+def _products(call, spec, hidden, weight, bias, student, tea, terms, cols, inv_t, grad, out):
+    """The student's gradients of these tokens: ``G`` chunk by chunk
+    (:func:`~vocab_parallel.distill_stats.gradient_chunk`) through the shared products."""
+    a = spec.hard_label_weight
+    scale_d = grad * (1.0 - a)
+    scale_ce = grad * a if spec.ce else None
+    cap = call.opts.softcap
+
+    def make_g(v0, v1, x_op, w_op):
+        z = student.chunk(v0, v1)
+        t = None if tea is None else tea.chunk(v0, v1)
+        return gradient_chunk(spec, terms, z, t, inv_t, scale_d, scale_ce, cols, v0, v1, cap)
+
+    cv = chunk_columns(hidden.shape[0], weight.shape[0])
+    bias_dtype = hidden.dtype if bias is None else bias.dtype
+    with precision.cpu_bf16_math(hidden.dtype, hidden.device.type):
+        return gradient_products(
+            hidden, weight, cv, make_g, out, g_reads_operands=False, bias_grad_dtype=bias_dtype
+        )
+
+
+class DistillationFunction(torch.autograd.Function):
+    """``(losses, weights)`` ``[N]`` of memory-saving and high-performance modes: each
+    token's ``(1 - a) D + a CE`` (0 where ignored) and whether it counts (what a mean
+    divides by; not differentiable). Only ``hidden``, ``weight`` and ``bias`` get
+    gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, call: Call, spec: Spec, teacher: Teacher):
+        with no_autocast(hidden.device.type):
+            return DistillationFunction._forward(
+                ctx, hidden, weight, bias, target, call, spec, teacher
+            )
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, bias, target, call, spec, teacher):
+        cols, ignored = _columns(call, spec, target, teacher)
+        n, v = hidden.shape[0], weight.shape[0]
+        accum = precision.accumulate_dtype(hidden.dtype)
+        saved = (None, None)
+        keep = call.track and call.mode == "high_performance"
+        if keep:
+            kept = [torch.empty((n, v), dtype=accum, device=hidden.device)]
+            kept.append(None if spec.sparse else torch.empty_like(kept[0]))
+            saved = tuple(kept)
+        student, tea = _heads(call, spec, hidden, weight, bias, teacher, saved, fill=keep)
+        terms = _forward_terms(call, spec, student, tea, teacher, cols, call.inv_temperature, n, v)
+        losses = _token_losses(spec, terms, ignored)
+        weights = (~ignored).to(accum)
+        ctx.mark_non_differentiable(weights)
+        ctx.set_materialize_grads(False)
+        if call.track:
+            ctx.save_for_backward(hidden, weight, bias, target, ignored, *saved)
+            ctx.terms, ctx.teacher, ctx.cols = terms, teacher, cols
+        ctx.call, ctx.spec, ctx.device_type = call, spec, hidden.device.type
+        return losses, weights
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_weights):
+        grads = guarded_backward(
+            ctx, grad_loss, lambda need: DistillationFunction._gradients(ctx, grad_loss, need)
+        )
+        return (*grads, None, None, None, None)
+
+    @staticmethod
+    def _gradients(ctx, grad_loss, need):
+        hidden, weight, bias, target, ignored, s_student, s_teacher = ctx.saved_tensors
+        call, spec = ctx.call, ctx.spec
+        accum = precision.accumulate_dtype(hidden.dtype)
+        grad = grad_loss.to(accum).masked_fill(ignored, 0.0)
+        student, tea = _heads(call, spec, hidden, weight, bias, ctx.teacher, (s_student, s_teacher))
+        tp = world_size(call.process_group) > 1
+        out = Outputs(need[0], need[1], need[2], grad_input_dtype=accum if tp else None)
+        grads = _products(call, spec, hidden, weight, bias, student, tea, ctx.terms, ctx.cols,
+                          call.inv_temperature, grad, out)  # fmt: skip
+        grad_input = sum_grad_input(grads.input, call.process_group, hidden.dtype)
+        return grad_input, grads.weight, grads.bias
+
+
+def _chunk_rows(n: int, vg: int, world: int, device_type: str, heads: int) -> int:
+    """Token rows per grad-in-forward chunk: ``heads`` fp32 ``[rows, ceil(vg / world)]``
+    logits chunks fit the budget, sized from what every rank shares."""
+    budget = GIF_CHUNK_BYTES.get(device_type, GIF_DEFAULT_CHUNK_BYTES)
+    per_row = 4 * max(1, -(-vg // max(1, world)))
+    rows = max(1, min(budget // per_row, GIF_MAX_ROWS.get(device_type, n)))
+    if rows > 64:
+        rows = rows // 64 * 64
+    return max(1, min(n, rows))
+
+
+class GradInForwardDistillation(torch.autograd.Function):
+    """The loss (a 0-d sum or mean), the student's gradients computed on the way: token
+    chunks whose two heads' logits are made once, kept for the chunk's statistics, the
+    JSD's second pass and ``G``; one fp32 SUM all-reduce of ``grad_input`` per chunk. The
+    backward scales the saved gradients by the upstream scalar."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, call, spec, teacher, needs):
+        with no_autocast(hidden.device.type):
+            return GradInForwardDistillation._forward(
+                ctx, hidden, weight, bias, target, call, spec, teacher, needs
+            )
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, bias, target, call, spec, teacher, needs):
+        cols, ignored = _columns(call, spec, target, teacher)
+        n, h = hidden.shape
+        v = weight.shape[0]
+        accum = precision.accumulate_dtype(hidden.dtype)
+        f = dict(dtype=accum, device=hidden.device)
+        weights = (~ignored).to(accum)
+        token_grad = weights.clone()
+        if call.opts.reduction == "mean":
+            token_grad = token_grad / mean_denominator(weights)
+        group, world = call.process_group, world_size(call.process_group)
+        grad_input = torch.empty((n, h), **f) if needs[0] else None
+        fill = torch.zeros if n == 0 else torch.empty
+        grad_weight = fill(weight.shape, **f) if needs[1] else None
+        grad_bias = fill(v, **f) if needs[2] else None
+        heads = 1 if spec.sparse else 2
+        rows = _chunk_rows(n, call.layout.global_size, world, hidden.device.type, heads)
+        bufs = [torch.empty((min(rows, n), v), **f) for _ in range(heads)] + [None]
+        losses = torch.zeros(n, **f)
+        parts = []
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            x_c, t_c = hidden[r0:r1], teacher.rows(r0, r1)
+            c_cols = Columns(*(None if c is None else c[r0:r1] for c in cols))
+            inv_t = None if call.inv_temperature is None else call.inv_temperature[r0:r1]
+            saved = (bufs[0][: r1 - r0], None if bufs[1] is None else bufs[1][: r1 - r0])
+            student, tea = _heads(call, spec, x_c, weight, bias, t_c, saved, fill=True)
+            terms = _forward_terms(call, spec, student, tea, t_c, c_cols, inv_t, r1 - r0, v)
+            losses[r0:r1] = _token_losses(spec, terms, ignored[r0:r1])
+            parts.append(terms)
+            if not any(needs):
+                continue
+            out = Outputs(
+                needs[0], needs[1], needs[2], grad_input_dtype=accum,
+                grad_input_out=None if grad_input is None else grad_input[r0:r1],
+                grad_weight_acc=grad_weight, grad_bias_acc=grad_bias, accumulate=r0 > 0,
+            )  # fmt: skip
+            _products(call, spec, x_c, weight, bias, student, tea, terms, c_cols, inv_t,
+                      token_grad[r0:r1], out)  # fmt: skip
+            if world > 1 and needs[0]:
+                all_reduce(grad_input[r0:r1], "SUM", group, "grad_input")
+        del bufs
+        loss = losses.sum()
+        if call.opts.reduction == "mean":
+            loss = loss / mean_denominator(weights)
+        ctx.set_materialize_grads(False)
+        ctx.grads = [grad_input, grad_weight, grad_bias]
+        ctx.dtypes = (hidden.dtype, hidden.dtype if bias is None else bias.dtype)
+        ctx.device_type = hidden.device.type
+        # What a second backward (retain_graph=True) recomputes the gradients from.
+        ctx.save_for_backward(hidden, weight, bias, token_grad)
+        ctx.call, ctx.spec, ctx.teacher, ctx.cols = call, spec, teacher, cols
+        ctx.terms = _concat_terms(parts, n, f)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        def compute(need):
+            if ctx.grads is None:  # handed out already: a second backward of the graph
+                return GradInForwardDistillation._recompute(ctx, grad_loss, need)
+            grads, ctx.grads = ctx.grads, None
+            out = []
+            for g, dt, wanted in zip(grads, (*ctx.dtypes[:1], *ctx.dtypes), need, strict=True):
+                if g is None or not wanted:
+                    out.append(None)
+                    continue
+                g.mul_(grad_loss.to(g.dtype))
+                out.append(g if g.dtype == dt else g.to(dt))
+            return tuple(out)
+
+        grads = guarded_backward(ctx, grad_loss, compute)
+        return (*grads, None, None, None, None, None)
+
+    @staticmethod
+    def _recompute(ctx, grad_loss, need):
+        hidden, weight, bias, token_grad = ctx.saved_tensors
+        call, spec = ctx.call, ctx.spec
+        accum = precision.accumulate_dtype(hidden.dtype)
+        student, tea = _heads(call, spec, hidden, weight, bias, ctx.teacher)
+        tp = world_size(call.process_group) > 1
+        out = Outputs(need[0], need[1], need[2], grad_input_dtype=accum if tp else None)
+        grad = token_grad * grad_loss.to(accum)
+        grads = _products(call, spec, hidden, weight, bias, student, tea, ctx.terms, ctx.cols,
+                          call.inv_temperature, grad, out)  # fmt: skip
+        return sum_grad_input(grads.input, call.process_group, hidden.dtype), *grads[1:]
+
+
+def _concat_terms(parts: list[RowTerms], n: int, f: dict) -> RowTerms:
+    """The per-row terms of every chunk as those of all rows."""
+    if not parts:
+        empty = torch.zeros(n, **f)
+        return RowTerms(empty, None, empty, None, None, None, None)
+    fields = []
+    for column in zip(*parts, strict=True):
+        fields.append(None if column[0] is None else torch.cat(column))
+    return RowTerms(*fields)

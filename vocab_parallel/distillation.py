@@ -49,6 +49,7 @@ from vocab_parallel.distill_stats import (
 from vocab_parallel.distributed import all_reduce, world_size
 from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.entry import autocast_inputs, prepare_call
+from vocab_parallel.grad_in_forward import chunk_rows
 from vocab_parallel.interface import Outputs
 from vocab_parallel.options import LossOptions
 from vocab_parallel.reduction import mean_denominator, reduce_losses
@@ -59,7 +60,6 @@ __all__ = ["DIVERGENCES", "vocab_parallel_distillation_loss"]
 # Bytes of one head's fp32 [rows, V_local] logits chunk kept by grad_in_forward (two heads).
 GIF_CHUNK_BYTES = {"cpu": 128 * 1024 * 1024}
 GIF_DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
-GIF_MAX_ROWS = {"cpu": 512}
 
 
 def vocab_parallel_distillation_loss(
@@ -522,17 +522,6 @@ class DistillationFunction(torch.autograd.Function):
         return grad_input, grads.weight, grads.bias
 
 
-def _chunk_rows(n: int, vg: int, world: int, device_type: str, heads: int) -> int:
-    """Token rows per grad-in-forward chunk: ``heads`` fp32 ``[rows, ceil(vg / world)]``
-    logits chunks fit the budget, sized from what every rank shares."""
-    budget = GIF_CHUNK_BYTES.get(device_type, GIF_DEFAULT_CHUNK_BYTES)
-    per_row = 4 * max(1, -(-vg // max(1, world)))
-    rows = max(1, min(budget // per_row, GIF_MAX_ROWS.get(device_type, n)))
-    if rows > 64:
-        rows = rows // 64 * 64
-    return max(1, min(n, rows))
-
-
 class GradInForwardDistillation(torch.autograd.Function):
     """The loss (a 0-d sum or mean), the student's gradients computed on the way: token
     chunks whose two heads' logits are made once, kept for the chunk's statistics, the
@@ -563,7 +552,8 @@ class GradInForwardDistillation(torch.autograd.Function):
         grad_weight = fill(weight.shape, **f) if needs[1] else None
         grad_bias = fill(v, **f) if needs[2] else None
         heads = 1 if spec.sparse else 2
-        rows = _chunk_rows(n, call.layout.global_size, world, hidden.device.type, heads)
+        budget = GIF_CHUNK_BYTES.get(hidden.device.type, GIF_DEFAULT_CHUNK_BYTES)
+        rows = chunk_rows(n, call.layout.global_size, world, hidden.device.type, budget)
         bufs = [torch.empty((min(rows, n), v), **f) for _ in range(heads)] + [None]
         losses = torch.zeros(n, **f)
         parts = []

@@ -60,6 +60,12 @@ OPTIONS: dict[str, tuple] = {
         "ColwiseParallel DTensor nn.Linear turned into our head (torch engine)",
     ),
     "backend": ("auto", str, "our loss: auto | triton | torch"),
+    "filter_eps": (
+        None,
+        str,
+        "gradient filtering of our loss (changes the gradients): none (default, exact) | "
+        "auto (eps(dtype) / 32) | a number >= 0",
+    ),
     "label_smoothing": (0.0, float, "label smoothing of the loss"),
     "lr": (3e-3, float, "peak learning rate"),
     "min_lr_ratio": (0.1, float, "final LR / peak LR of the cosine schedule"),
@@ -262,6 +268,23 @@ CHOICES = {
 MIN_BPE_VOCAB = 257
 
 
+def filter_eps(o: dict) -> float | str | None:
+    """The loss's ``filter_eps`` from the option: None for unset or "none", "auto", or a
+    float >= 0 (ValueError otherwise)."""
+    value = o.get("filter_eps")
+    if value is None or str(value).strip().lower() == "none":
+        return None
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    try:
+        eps = float(value)
+    except ValueError:
+        raise ValueError(f"expected none, auto or a number >= 0, got {value!r}") from None
+    if not (0.0 <= eps < math.inf):
+        raise ValueError(f"expected none, auto or a finite number >= 0, got {value!r}")
+    return eps
+
+
 def describe_range(low, high, low_in, high_in, kind: type) -> str:
     what = "an int" if kind is int else "a finite number"
     if high is None:
@@ -287,6 +310,10 @@ def check_options(o: dict, p: argparse.ArgumentParser) -> None:
         )
         if not ok:
             p.error(f"{name(key)}: expected {_KIND_NAMES[kind]}, got {value!r}")
+    try:
+        filter_eps(o)
+    except ValueError as exc:
+        p.error(f"{name('filter_eps')}: {exc}")
     for key, (low, high, low_in, high_in) in RANGES.items():
         value, kind = o[key], OPTIONS[key][1]
         if value is None:

@@ -29,6 +29,7 @@ from launch.report import (
     record_error,
     side_by_side,
 )
+from vocab_parallel.filtering import gradient_filter_stats
 
 log = logging.getLogger("train")
 
@@ -123,6 +124,8 @@ def train(o: dict, runners: dict, data, groups, device: torch.device, *, start: 
         history["lr"].append(lr)
         if o["check_against_unsharded"]:
             history["ref_loss"].append(losses[1])
+        if "filtered" in history:  # this rank's products, this step
+            history["filtered"].append(gradient_filter_stats(reset=True).skipped_fraction)
         if not math.isfinite(losses[0]):
             log.error(f"step {step}: loss is {losses[0]}, stopping")
             if dist.get_rank() == 0:
@@ -140,6 +143,8 @@ def train(o: dict, runners: dict, data, groups, device: torch.device, *, start: 
                 f"grad norm {results[0][1]:.3f}, {tok_s:,.0f} tok/s, "
                 f"peak {mib(peak_memory_bytes(device))}"
             )
+            if "filtered" in history:
+                line += f", filtered {history['filtered'][-1]:.1%} of G's tiles"
             if o["check_against_unsharded"]:
                 a, b = losses
                 log.info(f"{step:5d} | {a:14.6f} | {b:10.6f} | {abs(a - b):.2e}")

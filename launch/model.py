@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from launch.config import DTYPES
+from launch.config import DTYPES, filter_eps
 from vocab_parallel.distributed import world_size
 from vocab_parallel.layout import shard_bounds
 from vocab_parallel.lm_head import VocabParallelLMHead
@@ -244,8 +244,9 @@ def build_model(o: dict, head: str, groups, device: torch.device | str) -> GPT:
     options = {"label_smoothing": o["label_smoothing"]}
     if head == "vocab_parallel":
         options.update(
-            mode=o["mode"], backend=o["backend"], sequence_parallel=o["sequence_parallel"]
-        )
+            mode=o["mode"], backend=o["backend"], sequence_parallel=o["sequence_parallel"],
+            filter_eps=filter_eps(o),
+        )  # fmt: skip
         if o["tp_style"] == "dtensor":
             head = "dtensor"
     model = GPT(

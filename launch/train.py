@@ -239,6 +239,8 @@ def run(o: dict, backend: str, device: torch.device, wall0: float, lock: RunLock
     )
 
     history = {"step": [], "loss": [], "grad_norm": [], "lr": [], "val": []}
+    if o["filter_eps"] not in (None, "none"):
+        history["filtered"] = []  # share of G's tiles the step's products left out
     if o["check_against_unsharded"]:
         history["ref_loss"] = []
     start, run_id = 0, new_run_id()

@@ -402,6 +402,8 @@ def _usage_error(parse, argv: list[str], capsys) -> str:
     ("argv", "named"),
     [
         (["--log-every", "0"], "log_every (--log-every)"),
+        (["--filter-eps", "fast"], "filter_eps (--filter-eps)"),
+        (["--filter-eps=-1"], "filter_eps (--filter-eps)"),
         (["--timeout-s", "0"], "timeout_s (--timeout-s)"),
         (["--timeout-s=-5"], "timeout_s (--timeout-s)"),
         (["--lr", "nan"], "lr (--lr)"),

@@ -197,3 +197,22 @@ def test_dry_run_plans_the_dtensor_head():
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "head shard of rank 0: rows 0..16,032" in out.stdout, out.stdout
+
+
+def test_filtered_run_records_what_it_left_out(corpus_and_cache, tmp_path):
+    """--filter-eps auto: the run trains, each step's share of G's tiles left out is in
+    summary.json and in the log lines; the loss is that of the exact run at step 1 (the
+    forward is never filtered; the first update is where the runs may part)."""
+    runs = {}
+    for name, extra in (("exact", []), ("auto", ["--filter-eps", "auto"])):
+        run_dir = tmp_path / name
+        args = [*common(corpus_and_cache), "--run-dir", str(run_dir), "--steps", "6",
+                "--tp", "2", "--dtype", "bfloat16", "--log-every", "3", *extra]  # fmt: skip
+        torchrun(2, args)
+        runs[name] = json.loads((run_dir / "summary.json").read_text())
+    filtered = runs["auto"]["history"]["filtered"]
+    assert len(filtered) == 6 and all(0.0 <= f <= 1.0 for f in filtered), filtered
+    assert "filtered" not in runs["exact"]["history"]
+    assert runs["auto"]["history"]["loss"][0] == runs["exact"]["history"]["loss"][0]
+    log = (tmp_path / "auto" / "train.log").read_text()
+    assert "of G's tiles" in log

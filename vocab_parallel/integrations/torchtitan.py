@@ -90,7 +90,10 @@ def lm_head_loss(
 
 
 # The torchtitan component, made when first asked for (it subclasses torchtitan's class).
-_OPTION_FIELDS = ("label_smoothing", "z_loss", "softcap", "mode", "backend", "check_inputs")
+_OPTION_FIELDS = (
+    "label_smoothing", "z_loss", "softcap", "mode", "backend", "check_inputs", "filter_eps",
+    "filter_grads",
+)  # fmt: skip
 _component: type | None = None
 
 
@@ -108,6 +111,8 @@ def _make_component() -> type:
         mode: str = "auto"
         backend: str = "auto"
         check_inputs: bool = True
+        filter_eps: float | str | None = None
+        filter_grads: str = "both"
 
     class VocabParallelLossWrapper(ChunkedLossWrapper):
         """torchtitan's ``ChunkedLossWrapper`` slot, filled by the vocabulary-parallel

@@ -10,9 +10,11 @@ Public API:
     pack_target_mask, unpack_target_mask  the bit-packed target mask format
     shard_bounds                          the default contiguous (uneven) shard layout
     LossOptions, LossOutput               the options value, the result with return_lse
+    gradient_filter_stats                 what gradient filtering left out (filter_eps)
 """
 
 from vocab_parallel.distillation import vocab_parallel_distillation_loss
+from vocab_parallel.filtering import GradientFilterStats, gradient_filter_stats
 from vocab_parallel.layout import shard_bounds
 from vocab_parallel.lm_head import VocabParallelLMHead
 from vocab_parallel.loss import (
@@ -38,5 +40,7 @@ __all__ = [
     "pack_target_mask",
     "unpack_target_mask",
     "shard_bounds",
+    "gradient_filter_stats",
+    "GradientFilterStats",
 ]
 __version__ = "0.1.0"

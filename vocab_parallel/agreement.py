@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 from vocab_parallel.distributed import all_reduce, group_ranks, world_size
-from vocab_parallel.options import BACKENDS, MODES, REDUCTIONS, LossOptions, StatsRequest
+from vocab_parallel.options import (
+    BACKENDS,
+    FILTER_GRADS,
+    MODES,
+    REDUCTIONS,
+    LossOptions,
+    StatsRequest,
+)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Entries whose difference means another rank refused its arguments.
@@ -33,6 +40,11 @@ REFUSED = "arguments refused on this rank"
 
 def _code(value, choices) -> float:
     return float(choices.index(value)) if value in choices else -1.0
+
+
+def _filter_code(filter_eps) -> float:
+    """``filter_eps`` as a number: -1 for None, -2 for ``"auto"``, else its value."""
+    return -1.0 if filter_eps is None else -2.0 if filter_eps == "auto" else filter_eps
 
 
 def _checksum(t: torch.Tensor) -> list:
@@ -79,6 +91,8 @@ FIELDS = (
     ("requires_grad", "hidden"),
     ("requires_grad", "weight"),
     ("requires_grad", "bias"),
+    ("filter_eps", "filter_eps"),
+    ("filter_grads", "filter_grads"),
     ("numbers of tokens", "hidden"),
     ("values (checksum)", "target"),
     ("values (position checksum)", "target"),
@@ -150,6 +164,8 @@ def fingerprint(
         sp * (grad and hidden.requires_grad),
         float(grad and weight.requires_grad),
         float(grad and bias is not None and bias.requires_grad),
+        _filter_code(opts.filter_eps),
+        _code(opts.filter_grads, FILTER_GRADS),
     ]
     if opts.sequence_parallel:  # each rank brings its own tokens: nothing to compare
         return f + [0.0] * 6 + extra
@@ -167,8 +183,12 @@ def _shown(field: int, value: float) -> str:
     for n, choices in (("reduction", REDUCTIONS), ("mode", MODES), ("backend", BACKENDS)):
         if name == n and 0 <= value < len(choices):
             return repr(choices[int(value)])
-    if name == "softcap" and value == -1.0:
+    if name == "filter_grads" and 0 <= value < len(FILTER_GRADS):
+        return repr(FILTER_GRADS[int(value)])
+    if name in ("softcap", "filter_eps") and value == -1.0:
         return "None"
+    if name == "filter_eps" and value == -2.0:
+        return "'auto'"
     return f"{value:.10g}" if "checksum" in name else f"{value:g}"
 
 

@@ -28,6 +28,7 @@ import torch
 from vocab_parallel import precision
 from vocab_parallel.backend import get_backend
 from vocab_parallel.distributed import all_reduce, world_size
+from vocab_parallel.filtering import GradientFilter
 from vocab_parallel.interface import Grads, Outputs
 from vocab_parallel.stats import (
     Call,
@@ -127,7 +128,9 @@ def shard_gradients(
     tp = world_size(call.process_group) > 1
     accum = precision.accumulate_dtype(hidden.dtype)
     buffers.setdefault("grad_input_dtype", accum if tp else None)
-    out = Outputs(need_input=need[0], need_weight=need[1], need_bias=need[2], **buffers)
+    opts = call.opts
+    flt = GradientFilter.of(opts.filter_eps, opts.filter_grads, hidden.dtype, grad)
+    out = Outputs(need_input=need[0], need_weight=need[1], need_bias=need[2], filter=flt, **buffers)
     terms = gradient_terms(call, grad, token, **(source or {}))
     backend = get_backend(call.backend)
     return backend.fused_backward(hidden, weight, local_target, call.logits(bias), terms, out)

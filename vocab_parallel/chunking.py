@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from vocab_parallel import precision
+from vocab_parallel import filtering, precision
 from vocab_parallel.interface import Grads, Outputs
 
 # make_g(v0, v1, x_op, w_op) -> G[:, v0:v1], fp32 or x.dtype (rounded by the loop).
@@ -59,6 +59,9 @@ def gradient_products(
     holds the caller's buffers (``grad_input`` written into ``grad_input_out``; products
     added to ``grad_weight_acc`` / ``grad_bias_acc``, or written when not
     ``accumulate``), each returned in place of the gradient it holds.
+
+    With ``out.filter`` the products leave out the chunk's negligible tiles of ``G``
+    (``vocab_parallel.filtering``); ``grad_bias`` is never filtered.
     """
     bt, h = x.shape
     v = weight.shape[0]
@@ -100,6 +103,7 @@ def gradient_products(
     sizes = [bt * h] if need_input_grad and operand != accum else []
     sizes += [cv * h] if need_weight_grad and (dtype != accum or operand != accum) else []
     scratch = torch.empty(max(sizes), dtype=accum, device=device) if sizes else None
+    flt = out.filter if (need_input_grad or need_weight_grad) and h > 0 else None
     for v0 in range(0, v, cv):
         v1 = min(v, v0 + cv)
         w_op = weight[v0:v1].to(operand) if (need_input_grad or g_reads_operands) else None
@@ -109,13 +113,25 @@ def gradient_products(
                 grad_bias[v0:v1] = g.sum(dim=0, dtype=accum)
             else:
                 acc_b[v0:v1] += g.sum(dim=0, dtype=accum)
-        if need_input_grad:
+        mask = None
+        if flt is not None:
+            mask = filtering.tile_mask(g, flt)
+            filtering.count(mask, flt)
+            if bool(mask.all()):
+                mask = None  # nothing to leave out: the exact products below
+        if need_input_grad and mask is not None and flt.input:
+            tmp = None if operand == accum else scratch
+            filtering.input_product(acc, g, w_op, mask, v0 == 0, tmp)
+        elif need_input_grad:
             if v0 == 0:
                 precision.mm_fp32(g, w_op, out=acc)
             else:
                 tmp = None if operand == accum else scratch[: bt * h].view(bt, h)
                 precision.addmm_fp32_(acc, g, w_op, scratch=tmp)
-        if need_weight_grad and acc_w is not None and accumulate:
+        if need_weight_grad and mask is not None and flt.weight:
+            write = acc_w is None or not accumulate
+            filtering.weight_product(grad_weight[v0:v1], g, x_op, mask, write, scratch)
+        elif need_weight_grad and acc_w is not None and accumulate:
             tmp = None if operand == accum else scratch[: (v1 - v0) * h].view(v1 - v0, h)
             precision.addmm_fp32_(acc_w[v0:v1], g.t(), x_op, scratch=tmp)
         elif need_weight_grad:

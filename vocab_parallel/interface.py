@@ -27,9 +27,12 @@ rounded to the input dtype once; ``grad_input = G @ W``, ``grad_weight = G.T @ x
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from vocab_parallel.filtering import GradientFilter
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,7 +84,8 @@ class Outputs:
     ``grad_input_dtype``: of ``grad_input`` (default the input dtype). The caller's buffers
     (``mode="grad_in_forward"`` walks the tokens in chunks): ``grad_input_out`` receives
     ``grad_input`` (fp32); ``grad_weight_acc`` and ``grad_bias_acc`` get the products
-    added, or written when ``accumulate`` is False (the first chunk).
+    added, or written when ``accumulate`` is False (the first chunk). ``filter``: the
+    tiles of ``G`` the products may leave out (``vocab_parallel.filtering``; None: exact).
     """
 
     need_input: bool = True
@@ -92,6 +96,7 @@ class Outputs:
     grad_weight_acc: torch.Tensor | None = None
     grad_bias_acc: torch.Tensor | None = None
     accumulate: bool = True
+    filter: GradientFilter | None = None
 
 
 class LocalStats(NamedTuple):

@@ -57,6 +57,8 @@ def vocab_parallel_linear_cross_entropy(
     check_inputs: bool = True,
     sequence_parallel: bool = False,
     num_items_in_batch: int | torch.Tensor | None = None,
+    filter_eps: float | str | None = None,
+    filter_grads: str = "both",
 ) -> torch.Tensor | LossOutput:
     """Cross entropy of ``hidden @ weight.T`` where ``weight`` is this rank's vocabulary shard.
 
@@ -110,6 +112,14 @@ def vocab_parallel_linear_cross_entropy(
             over all of them, ``"none"`` gives this rank's tokens.
         num_items_in_batch: the loss is then the SUM divided by it (Hugging Face's
             gradient accumulation); ``reduction`` must be ``"sum"`` then.
+        filter_eps: gradient filtering, which changes the gradients (not the loss):
+            ``None`` (default): exact. ``"auto"`` (``eps(input dtype) / 32``: 2^-12 for
+            bf16, 2^-28 for fp32) or a float ``eps >= 0``: tiles of the gradient of the
+            logits whose every entry is below ``eps`` per unit of upstream gradient are
+            left out of the gradient GEMMs (``vocab_parallel.filtering``: the bound on
+            what that changes; ``gradient_filter_stats()`` counts the tiles left out).
+        filter_grads: which products ``filter_eps`` applies to: ``"both"`` (default),
+            ``"weight"`` or ``"input"``.
 
     ``weight`` (and ``bias``, ``class_weight``) may be DTensors placed ``Shard(0)`` on a
     1-D mesh, which then gives the group and layout (``vocab_parallel.dtensor``).
@@ -128,6 +138,7 @@ def vocab_parallel_linear_cross_entropy(
         bias=bias, return_lse=return_lse, mode=mode, backend=backend,
         check_inputs=check_inputs, sequence_parallel=sequence_parallel,
         vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+        filter_eps=filter_eps, filter_grads=filter_grads,
     )  # fmt: skip
     return run_loss(hidden, weight, target, opts, process_group, num_items_in_batch)
 

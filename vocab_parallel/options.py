@@ -23,6 +23,7 @@ import torch
 MODES = ("auto", "grad_in_forward", "memory_saving", "high_performance")
 REDUCTIONS = ("none", "sum", "mean")
 BACKENDS = ("auto", "torch", "triton")
+FILTER_GRADS = ("both", "weight", "input")
 
 
 def check_flag(name: str, value: object) -> bool:
@@ -77,6 +78,20 @@ def check_temperature(temperature: object) -> float | torch.Tensor:
     return t
 
 
+def check_filter_eps(filter_eps: object) -> float | str | None:
+    """``filter_eps``: None (exact, the default), ``"auto"`` (``eps(input dtype) / 32``,
+    resolved per call by :func:`vocab_parallel.filtering.resolve_eps`) or a finite float
+    >= 0 (``docs/design.md``, "Gradient filtering")."""
+    if filter_eps is None or filter_eps == "auto":
+        return filter_eps
+    if isinstance(filter_eps, str):
+        raise ValueError(f"filter_eps: expected None, 'auto' or a float >= 0, got {filter_eps!r}")
+    e = _number("filter_eps", filter_eps, "None, 'auto' or a float >= 0")
+    if not (0.0 <= e < math.inf):
+        raise ValueError(f"filter_eps: expected None, 'auto' or a finite float >= 0, got {e}")
+    return e
+
+
 def check_backend_name(backend: object) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -106,7 +121,8 @@ class LossOptions:
     ``class_weight`` (this rank's ``[V_local]`` rows, sharded like the weight), ``bias``
     (this rank's ``[V_local]`` rows). Outputs and execution: ``return_lse``, ``mode``,
     ``backend``, ``check_inputs``, ``sequence_parallel``. Layout: ``vocab_start_index``,
-    ``global_vocab_size``.
+    ``global_vocab_size``. Speed, off by default because it changes results:
+    ``filter_eps`` and ``filter_grads`` (gradient filtering, ``vocab_parallel.filtering``).
 
     ``eq=False``: options holding tensors compare by identity, never element-wise.
     """
@@ -126,6 +142,8 @@ class LossOptions:
     sequence_parallel: bool = False
     vocab_start_index: int | None = None
     global_vocab_size: int | None = None
+    filter_eps: float | str | None = None
+    filter_grads: str = "both"
 
     def __post_init__(self) -> None:
         ignore = self.ignore_index
@@ -136,6 +154,10 @@ class LossOptions:
         if self.mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
         check_backend_name(self.backend)
+        if self.filter_grads not in FILTER_GRADS:
+            raise ValueError(
+                f"filter_grads: expected one of {FILTER_GRADS}, got {self.filter_grads!r}"
+            )
         for name in ("return_lse", "check_inputs", "sequence_parallel"):
             check_flag(name, getattr(self, name))
         _optional_int("vocab_start_index", self.vocab_start_index, 0)
@@ -148,6 +170,7 @@ class LossOptions:
         set_(self, "softcap", check_softcap(self.softcap))
         set_(self, "z_loss", check_z_loss(self.z_loss))
         set_(self, "temperature", check_temperature(self.temperature))
+        set_(self, "filter_eps", check_filter_eps(self.filter_eps))
 
     def replace(self, **changes: Any) -> LossOptions:
         """A copy with ``changes`` (validated again)."""

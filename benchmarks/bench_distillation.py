@@ -142,15 +142,19 @@ def child(case: dict) -> dict:
     extra = res["peak"].extra_bytes - sum(t.numel() * t.element_size() for t in grads)
     if group is not None:
         dist.destroy_process_group()
-    return {"extra": extra, "times": res["times_s"][1:] or res["times_s"], "loss": res["kept"]}
+    return {"extra": extra, "times": res["times_s"][1:] or res["times_s"],
+            "cpu": res["cpu_s"][1:] or res["cpu_s"], "loss": res["kept"]}  # fmt: skip
 
 
 def parent(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tokens 128, vocab 4096")
     p.add_argument("--repeats", type=int, default=3, help="steps per row (the first: memory)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="group sizes")
+    p.add_argument("--vocab", type=int, nargs="+", help="vocabularies (default 32768 131072)")
     args = p.parse_args(argv)
     tokens, vocabs = (128, [4096]) if args.quick else (1024, [32768, 131072])
+    vocabs = args.vocab or vocabs
     try:
         import liger_kernel  # noqa: F401
 
@@ -162,7 +166,7 @@ def parent(argv: list[str]) -> int:
     if not has_liger:
         print("liger_kernel is not installed: its rows are left out")
     rows, failed = [], False
-    for world in (1, 2):
+    for world in args.ranks:
         for vocab in vocabs:
             impls = ["ours", "ours_ms", "materialised"] + (["liger"] if has_liger and world == 1
                                                           else [])  # fmt: skip
@@ -172,18 +176,19 @@ def parent(argv: list[str]) -> int:
                         "repeats": args.repeats}  # fmt: skip
                 out = run_children(__file__, case, world=world, timeout=1800)
                 if out["status"] != "ok":
-                    rows.append([str(world), str(vocab), impl, out["status"], "", "", ""])
+                    rows.append([str(world), str(vocab), impl, out["status"], "", "", "", ""])
                     failed = True
                     continue
                 extra = max(r["extra"] for r in out["ranks"]) / 2**20
                 t = max(statistics.median(r["times"]) for r in out["ranks"])
+                cpu = max(statistics.median(r["cpu"]) for r in out["ranks"])
                 loss = out["ranks"][0]["loss"]
                 ref = loss if ref is None else ref
                 if abs(loss - ref) > 1e-4 * max(1.0, abs(ref)):
                     failed = True
                 rows.append([str(world), str(vocab), impl, f"{t:.3f}", f"{extra:.0f}",
-                             f"{loss:.6f}", ""])  # fmt: skip
-                print(" | ".join(rows[-1][:6]), flush=True)
+                             f"{loss:.6f}", "", f"{cpu:.3f}"])  # fmt: skip
+                print(" | ".join(rows[-1][:6] + rows[-1][7:]), flush=True)
             base = {r[2]: r for r in rows if r[0] == str(world) and r[1] == str(vocab)}
             if "materialised" in base and base["materialised"][3][0].isdigit():
                 m = base["materialised"]
@@ -191,7 +196,8 @@ def parent(argv: list[str]) -> int:
                     if r[3][0].isdigit():
                         r[6] = (f"{float(r[3]) / float(m[3]):.2f}x time, "
                                 f"{float(r[4]) / max(1.0, float(m[4])):.2f}x memory")  # fmt: skip
-    head = ["ranks", "vocab", "impl", "step s", "peak extra MiB", "loss", "vs materialised"]
+    head = ["ranks", "vocab", "impl", "step s", "peak extra MiB", "loss", "vs materialised",
+            "CPU s (all threads)"]  # fmt: skip
     print(markdown_table(head, rows))
     if failed:
         print("a row failed or its loss is off ours")

@@ -237,6 +237,30 @@ def test_single_process_torch(case):
     assert check(case) == []
 
 
+# Grad-in-forward's forward KL on kept blocks (vocab_parallel.distill_stats.KeptForwardKL)
+# with blocks of 64 columns: the exps written over the logits (T = 1 or no CE, no cap),
+# and the student's logits kept (a cap, or the CE at T != 1).
+KEPT = [
+    DCase(temperature="one", hard_label_weight=0.1, bias=True, teacher_bias=True, seed=30),
+    DCase(temperature="tensor", reduction="sum", seed=31),
+    DCase(temperature="float", hard_label_weight=0.3, seed=32),
+    DCase(temperature="one", softcap=3.0, hard_label_weight=0.2, seed=33),
+    DCase(temperature="tensor", softcap=2.5, hard_label_weight=0.1, bias=True, seed=34),
+    DCase(dtype=BF16, temperature="one", hard_label_weight=0.1, seed=35),
+    DCase(dtype=BF16, temperature="float", softcap=3.0, target=False, seed=36),
+    DCase(dtype=torch.float64, mode="grad_in_forward", hard_label_weight=0.1, seed=37),
+]
+
+
+@pytest.mark.parametrize("case", KEPT, ids=str)
+def test_grad_in_forward_kept_blocks(case, monkeypatch):
+    from vocab_parallel import distill_stats
+
+    monkeypatch.setattr(distill_stats, "KEPT_BLOCK_BYTES", 64 * 4 * case.tokens)
+    assert distill_stats.kept_block_columns(case.tokens, case.vocab) == 64
+    assert check(replace(case, tokens=29, vocab=131)) == []
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("case", TRITON, ids=str)
 def test_single_process_triton(case):

@@ -419,3 +419,141 @@ def _forward_kl_chunk(terms, z, u, t, it, scale_d, scale_ce, cols, v0, v1, softc
         here, idx = _in_chunk(cols.target, v0, v1)
         g.scatter_add_(1, idx[:, None], torch.where(here, -scale_ce, 0.0)[:, None])
     return _through_cap(g, z, softcap)
+
+
+# ---------------------------------------------------------------------------------------
+# Forward KL of a dense teacher on kept chunks (grad_in_forward): the exps made once
+# ---------------------------------------------------------------------------------------
+
+# Bytes of one fp32 [rows, cols] block of the kept-chunk walk: small enough that both
+# heads' blocks and the scratch stay in cache through the elementwise passes, wide enough
+# for full-rate CPU GEMMs (4096 columns at 512 rows), few enough elementwise
+# passes per chunk that the threads seldom wait on each other.
+KEPT_BLOCK_BYTES = 8 * 1024 * 1024
+
+
+def kept_block_columns(rows: int, v: int) -> int:
+    """Columns per block of :class:`KeptForwardKL`: an fp32 ``[rows, cols]`` block fits
+    :data:`KEPT_BLOCK_BYTES`; a multiple of 64, at least 64, at most ``v``."""
+    cols = KEPT_BLOCK_BYTES // max(4, rows * 4)
+    cols = max(64, cols // 64 * 64)
+    return max(1, min(v, cols))
+
+
+class KeptForwardKL:
+    """The dense forward KL of one token chunk whose two heads' logits are kept
+    (``student.saved``, ``teacher.saved``: ``[rows, V_local]`` buffers, ``fill=True``),
+    with each exponential made once.
+
+    :meth:`statistics` walks blocks of ``cv`` columns: each head's GEMM into its buffer,
+    then per block and row its maximum ``m_b`` (at least the most negative finite value,
+    as :class:`_Online`'s start), the exponentials ``E = e^(y - m_b)`` written over the
+    logits and their sums (``s``, and ``A_t``'s ``sum E_t (v - u)``), kept per block; after
+    the walk the sums are rescaled to the row's maximum (what :func:`local_statistics`'
+    online rescaling gives). After the all-reduces ``p = E e^(m_b - L)`` exactly (``m_b
+    <= L``), so :meth:`gradient` forms ``G`` with two products per element and no exp.
+    The student's logits stay where ``G`` needs them (a softcap's derivative, or the CE's
+    ``softmax(z)`` when ``T != 1``): then ``p_s`` is ``e^(u - L_s)`` again. ``G`` is
+    formed in the teacher's block (its logits are not needed after their exps)."""
+
+    def __init__(self, spec: Spec, student: HeadLogits, teacher: HeadLogits, inv_t, softcap):
+        self.spec, self.student, self.teacher = spec, student, teacher
+        self.it = None if inv_t is None else inv_t[:, None]
+        self.softcap = softcap
+        # Whether the student's logits are needed by G (else its exps replace them).
+        self.keep_z = softcap is not None or (spec.ce and inv_t is not None)
+        rows, v = student.saved.shape
+        self.rows, self.v = rows, v
+        self.cv = kept_block_columns(rows, v)
+        blocks = -(-v // self.cv) if (v and rows) else 0
+        f = dict(dtype=student.accum, device=student.x.device)
+        # Per block (first index) and row: the maxima and sums of both heads.
+        self.m_s, self.m_t = torch.empty((blocks, rows), **f), torch.empty((blocks, rows), **f)
+        self.sums = torch.empty((3, blocks, rows), **f)  # s_s, s_t, A_t
+        self.scratch = torch.empty((rows, min(self.cv, v)), **f)
+
+    def statistics(self, cols: Columns) -> LocalStats:
+        """This rank's statistics of the chunk (as :func:`local_statistics`)."""
+        spec, rows, v, it = self.spec, self.rows, self.v, self.it
+        accum, device = self.student.accum, self.student.x.device
+        lowest = torch.finfo(accum).min
+        ce = _Online(rows, 0, accum, device) if spec.ce and it is not None else None
+        predicted = torch.zeros(rows, dtype=accum, device=device) if spec.ce else None
+        s_s, s_t, a_t = self.sums
+        for b in range(self.m_s.shape[0]):
+            v0, v1 = b * self.cv, min(v, (b + 1) * self.cv)
+            z, t = self.student.chunk(v0, v1), self.teacher.chunk(v0, v1)
+            if spec.ce:
+                here, idx = _in_chunk(cols.target, v0, v1)
+                predicted += torch.where(here, z.gather(1, idx[:, None]).squeeze(1), 0.0)
+                if ce is not None:
+                    ce.add(z)
+            diff = torch.sub(t, z, out=self.scratch[:, : v1 - v0])  # v - u, times 1/T
+            if it is not None:
+                diff.mul_(it)
+                t.mul_(it)
+            if self.keep_z:
+                u = z if it is None else torch.mul(z, it)
+                e_s = torch.sub(u, _block_max(u, self.m_s[b], lowest)[:, None]).exp_()
+            else:
+                u = z if it is None else z.mul_(it)
+                e_s = u.sub_(_block_max(u, self.m_s[b], lowest)[:, None]).exp_()
+            torch.sum(e_s, dim=1, out=s_s[b])
+            e_t = t.sub_(_block_max(t, self.m_t[b], lowest)[:, None]).exp_()
+            torch.sum(e_t, dim=1, out=s_t[b])
+            a_t[b] = _weighted_sum(e_t, diff)
+        for head in (self.student, self.teacher):
+            head.fill = False
+        stu, tea = _Online(rows, 0, accum, device), _Online(rows, 1, accum, device)
+        if self.m_s.shape[0]:
+            stu.m, (stu.s,) = _rescaled(self.m_s, s_s)
+            tea.m, (tea.s, tea.extra[0]) = _rescaled(self.m_t, s_t, a_t)
+        return LocalStats(stu, tea, ce, predicted, None)
+
+    def gradient(self, terms: RowTerms, scale_d, scale_ce, cols: Columns):
+        """``make_g`` of :func:`~vocab_parallel.chunking.gradient_products` over the same
+        blocks (``cv`` columns): :func:`gradient_chunk` of the forward KL."""
+        it = self.it
+        c_d = scale_d if it is None else scale_d * it[:, 0]
+        f_t = torch.exp(self.m_t - terms.lt).mul_(c_d).neg_()  # [blocks, rows]
+        one_p = scale_ce is not None and terms.l1 is None  # p1 = p_s: one coefficient
+        c_s = c_d + scale_ce if one_p else c_d
+        f_s = None if self.keep_z else torch.exp(self.m_s - terms.ls).mul_(c_s)
+        cap = self.softcap
+
+        def make_g(v0, v1, x_op, w_op):
+            b = v0 // self.cv
+            g = self.teacher.saved[:, v0:v1].mul_(f_t[b, :, None])  # -c_d p_t
+            z = self.student.saved[:, v0:v1]
+            if f_s is not None:
+                g.addcmul_(z, f_s[b, :, None])
+            else:
+                tmp = self.scratch[:, : v1 - v0]
+                u = torch.mul(z, it, out=tmp) if it is not None else tmp.copy_(z)
+                g.addcmul_(u.sub_(terms.ls[:, None]).exp_(), c_s[:, None])
+                if scale_ce is not None and not one_p:
+                    p1 = torch.sub(z, terms.l1[:, None], out=tmp).exp_()
+                    g.addcmul_(p1, scale_ce[:, None])
+            if scale_ce is not None:
+                here, idx = _in_chunk(cols.target, v0, v1)
+                g.scatter_add_(1, idx[:, None], torch.where(here, -scale_ce, 0.0)[:, None])
+            if cap is not None:
+                tmp = self.scratch[:, : v1 - v0]
+                g.mul_(torch.div(z, cap, out=tmp).square_().neg_().add_(1.0))
+            return g
+
+        return make_g
+
+
+def _block_max(y: torch.Tensor, out: torch.Tensor, lowest: float) -> torch.Tensor:
+    """``out = max(lowest, max_j y_j)`` per row of a block (a block of ``-inf`` gives
+    ``E = 0``, not NaN)."""
+    return torch.amax(y, dim=1, out=out).clamp_(min=lowest)
+
+
+def _rescaled(m: torch.Tensor, *sums: torch.Tensor):
+    """Per-block maxima ``m`` and sums ``[blocks, rows]`` as one row's: ``(M, [sum_b s_b
+    e^(m_b - M) ...])``, ``M = max_b m_b``."""
+    top = m.amax(dim=0)
+    decay = torch.exp(m - top)
+    return top, [(t * decay).sum(dim=0) for t in sums]

@@ -37,6 +37,7 @@ from vocab_parallel.distill_stats import (
     DIVERGENCES,
     Columns,
     HeadLogits,
+    KeptForwardKL,
     RowTerms,
     Spec,
     Teacher,
@@ -443,9 +444,11 @@ def _token_losses(spec: Spec, terms: RowTerms, ignored) -> torch.Tensor:
     return loss.masked_fill(ignored, 0.0)
 
 
-def _products(call, spec, hidden, weight, bias, student, tea, terms, cols, inv_t, grad, out):
+def _products(call, spec, hidden, weight, bias, student, tea, terms, cols, inv_t, grad, out,
+              kept: KeptForwardKL | None = None):  # fmt: skip
     """The student's gradients of these tokens: ``G`` chunk by chunk
-    (:func:`~vocab_parallel.distill_stats.gradient_chunk`) through the shared products."""
+    (:func:`~vocab_parallel.distill_stats.gradient_chunk`, or ``kept``'s blocks) through
+    the shared products."""
     a = spec.hard_label_weight
     scale_d = grad * (1.0 - a)
     scale_ce = grad * a if spec.ce else None
@@ -457,6 +460,8 @@ def _products(call, spec, hidden, weight, bias, student, tea, terms, cols, inv_t
         return gradient_chunk(spec, terms, z, t, inv_t, scale_d, scale_ce, cols, v0, v1, cap)
 
     cv = chunk_columns(hidden.shape[0], weight.shape[0])
+    if kept is not None:
+        make_g, cv = kept.gradient(terms, scale_d, scale_ce, cols), kept.cv
     bias_dtype = hidden.dtype if bias is None else bias.dtype
     with precision.cpu_bf16_math(hidden.dtype, hidden.device.type):
         return gradient_products(
@@ -538,52 +543,20 @@ class GradInForwardDistillation(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, hidden, weight, bias, target, call, spec, teacher, needs):
         cols, ignored = _columns(call, spec, target, teacher)
-        n, h = hidden.shape
-        v = weight.shape[0]
+        n = hidden.shape[0]
         accum = precision.accumulate_dtype(hidden.dtype)
         f = dict(dtype=accum, device=hidden.device)
         weights = (~ignored).to(accum)
         token_grad = weights.clone()
         if call.opts.reduction == "mean":
             token_grad = token_grad / mean_denominator(weights)
-        group, world = call.process_group, world_size(call.process_group)
-        grad_input = torch.empty((n, h), **f) if needs[0] else None
-        fill = torch.zeros if n == 0 else torch.empty
-        grad_weight = fill(weight.shape, **f) if needs[1] else None
-        grad_bias = fill(v, **f) if needs[2] else None
-        heads = 1 if spec.sparse else 2
-        budget = GIF_CHUNK_BYTES.get(hidden.device.type, GIF_DEFAULT_CHUNK_BYTES)
-        rows = chunk_rows(n, call.layout.global_size, world, hidden.device.type, budget)
-        bufs = [torch.empty((min(rows, n), v), **f) for _ in range(heads)] + [None]
-        losses = torch.zeros(n, **f)
-        parts = []
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            x_c, t_c = hidden[r0:r1], teacher.rows(r0, r1)
-            c_cols = Columns(*(None if c is None else c[r0:r1] for c in cols))
-            inv_t = None if call.inv_temperature is None else call.inv_temperature[r0:r1]
-            saved = (bufs[0][: r1 - r0], None if bufs[1] is None else bufs[1][: r1 - r0])
-            student, tea = _heads(call, spec, x_c, weight, bias, t_c, saved, fill=True)
-            terms = _forward_terms(call, spec, student, tea, t_c, c_cols, inv_t, r1 - r0, v)
-            losses[r0:r1] = _token_losses(spec, terms, ignored[r0:r1])
-            parts.append(terms)
-            if not any(needs):
-                continue
-            out = Outputs(
-                needs[0], needs[1], needs[2], grad_input_dtype=accum,
-                grad_input_out=None if grad_input is None else grad_input[r0:r1],
-                grad_weight_acc=grad_weight, grad_bias_acc=grad_bias, accumulate=r0 > 0,
-            )  # fmt: skip
-            _products(call, spec, x_c, weight, bias, student, tea, terms, c_cols, inv_t,
-                      token_grad[r0:r1], out)  # fmt: skip
-            if world > 1 and needs[0]:
-                all_reduce(grad_input[r0:r1], "SUM", group, "grad_input")
-        del bufs
+        losses, parts, grads = _walk(call, spec, hidden, weight, bias, teacher, cols, ignored,
+                                     token_grad, needs)  # fmt: skip
         loss = losses.sum()
         if call.opts.reduction == "mean":
             loss = loss / mean_denominator(weights)
         ctx.set_materialize_grads(False)
-        ctx.grads = [grad_input, grad_weight, grad_bias]
+        ctx.grads = grads
         ctx.dtypes = (hidden.dtype, hidden.dtype if bias is None else bias.dtype)
         ctx.device_type = hidden.device.type
         # What a second backward (retain_graph=True) recomputes the gradients from.
@@ -615,6 +588,14 @@ class GradInForwardDistillation(torch.autograd.Function):
         hidden, weight, bias, token_grad = ctx.saved_tensors
         call, spec = ctx.call, ctx.spec
         accum = precision.accumulate_dtype(hidden.dtype)
+        if _kept(spec):  # the forward's walk again (its blocks: the same G)
+            grad = token_grad * grad_loss.to(accum)
+            ignored = torch.zeros(grad.shape, dtype=torch.bool, device=grad.device)
+            _, _, grads = _walk(call, spec, hidden, weight, bias, ctx.teacher, ctx.cols,
+                                ignored, grad, need, ctx.terms)  # fmt: skip
+            dtypes = (hidden.dtype, *ctx.dtypes)
+            pairs = zip(grads, dtypes, strict=True)
+            return tuple(None if g is None else g.to(dt) for g, dt in pairs)
         student, tea = _heads(call, spec, hidden, weight, bias, ctx.teacher)
         tp = world_size(call.process_group) > 1
         out = Outputs(need[0], need[1], need[2], grad_input_dtype=accum if tp else None)
@@ -622,6 +603,68 @@ class GradInForwardDistillation(torch.autograd.Function):
         grads = _products(call, spec, hidden, weight, bias, student, tea, ctx.terms, ctx.cols,
                           call.inv_temperature, grad, out)  # fmt: skip
         return sum_grad_input(grads.input, call.process_group, hidden.dtype), *grads[1:]
+
+
+def _kept(spec: Spec) -> bool:
+    """Whether grad-in-forward walks the kept blocks of
+    :class:`~vocab_parallel.distill_stats.KeptForwardKL` (the dense forward KL)."""
+    return spec.divergence == "forward_kl" and not spec.sparse
+
+
+def _walk(call, spec, hidden, weight, bias, teacher, cols, ignored, token_grad, needs,
+          terms: RowTerms | None = None):  # fmt: skip
+    """Grad-in-forward's walk over token chunks: ``(losses [N], per-chunk RowTerms,
+    [grad_input, grad_weight, grad_bias])`` in the statistics' dtype (None where not
+    needed), ``G`` of each token scaled by ``token_grad``; ``grad_input`` all-reduced per
+    chunk. With ``terms`` (a second backward: the forward's), no statistics are reduced
+    and no losses made; the kept blocks are made again for their ``G``."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    accum = precision.accumulate_dtype(hidden.dtype)
+    f = dict(dtype=accum, device=hidden.device)
+    group, world = call.process_group, world_size(call.process_group)
+    grad_input = torch.empty((n, h), **f) if needs[0] else None
+    fill = torch.zeros if n == 0 else torch.empty
+    grad_weight = fill(weight.shape, **f) if needs[1] else None
+    grad_bias = fill(v, **f) if needs[2] else None
+    heads = 1 if spec.sparse else 2
+    budget = GIF_CHUNK_BYTES.get(hidden.device.type, GIF_DEFAULT_CHUNK_BYTES)
+    rows = chunk_rows(n, call.layout.global_size, world, hidden.device.type, budget)
+    bufs = [torch.empty((min(rows, n), v), **f) for _ in range(heads)] + [None]
+    losses = torch.zeros(n, **f)
+    parts = []
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        x_c, t_c = hidden[r0:r1], teacher.rows(r0, r1)
+        c_cols = Columns(*(None if c is None else c[r0:r1] for c in cols))
+        inv_t = None if call.inv_temperature is None else call.inv_temperature[r0:r1]
+        saved = (bufs[0][: r1 - r0], None if bufs[1] is None else bufs[1][: r1 - r0])
+        student, tea = _heads(call, spec, x_c, weight, bias, t_c, saved, fill=True)
+        kept = None
+        if _kept(spec):
+            kept = KeptForwardKL(spec, student, tea, inv_t, call.opts.softcap)
+            stats = kept.statistics(c_cols)
+            if terms is None:
+                c_terms = reduce_statistics(spec, stats, t_c, group)
+        elif terms is None:
+            c_terms = _forward_terms(call, spec, student, tea, t_c, c_cols, inv_t, r1 - r0, v)
+        if terms is None:
+            losses[r0:r1] = _token_losses(spec, c_terms, ignored[r0:r1])
+            parts.append(c_terms)
+        else:
+            c_terms = RowTerms(*(None if t is None else t[r0:r1] for t in terms))
+        if not any(needs):
+            continue
+        out = Outputs(
+            needs[0], needs[1], needs[2], grad_input_dtype=accum,
+            grad_input_out=None if grad_input is None else grad_input[r0:r1],
+            grad_weight_acc=grad_weight, grad_bias_acc=grad_bias, accumulate=r0 > 0,
+        )  # fmt: skip
+        _products(call, spec, x_c, weight, bias, student, tea, c_terms, c_cols, inv_t,
+                  token_grad[r0:r1], out, kept)  # fmt: skip
+        if world > 1 and needs[0]:
+            all_reduce(grad_input[r0:r1], "SUM", group, "grad_input")
+    return losses, parts, [grad_input, grad_weight, grad_bias]
 
 
 def _concat_terms(parts: list[RowTerms], n: int, f: dict) -> RowTerms:

@@ -1,4 +1,4 @@
-"""The benchmark scripts run: a smoke run of bench_loss.py at its quick shape.
+"""The benchmark scripts run: smoke runs of bench_loss.py and bench_filter.py at their quick shapes.
 
 Not a timing test (times on a shared CI machine mean nothing): it checks that the
 script's child processes, the gloo ranks, the loss check against the naive reference,
@@ -48,3 +48,40 @@ def test_bench_loss_quick_runs_and_checks_losses(tmp_path):
     assert "overlap (fp32, 2 ranks):" in text
     assert "GEMM throughput, grad_in_forward fp32:" in text
     assert (tmp_path / "rows.json").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_filter_quick_runs_on_a_trained_workload(tmp_path):
+    """bench_filter.py --quick: a tiny model trained into tmp_path (the tokenizer too), then
+    ours exact and filtered at 1 and 2 gloo ranks, their losses and gradient errors
+    checked against the float64 reference, the skipped fraction reported."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_filter.py",
+            "--quick",
+            "--impls",
+            "ours_exact",
+            "ours_filtered",
+            "--dtypes",
+            "bf16",
+            "--workloads",
+            "trained",
+            "--cache-dir",
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "rows.json"),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    for world in (1, 2):
+        assert f"| trained | 4096 | bf16 | {world} | ours exact (filter_eps=None) |" in text
+        assert f'| trained | 4096 | bf16 | {world} | ours filtered (filter_eps="auto") |' in text
+    assert "MISMATCH" not in text and "error" not in text
+    assert "filtered" in text and "tiles skipped" in text  # the issue-24 target lines
+    assert list(tmp_path.glob("trained_head_V4096_*.pt"))

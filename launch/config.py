@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from vocab_parallel.options import check_filter_eps
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "train_tiny_cpu.yaml"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -269,20 +271,19 @@ MIN_BPE_VOCAB = 257
 
 
 def filter_eps(o: dict) -> float | str | None:
-    """The loss's ``filter_eps`` from the option: None for unset or "none", "auto", or a
-    float >= 0 (ValueError otherwise)."""
+    """The loss's ``filter_eps`` from the option (a string on the command line): None for
+    unset or "none", else "auto" or a number, checked by the library's own rule
+    (``vocab_parallel.options.check_filter_eps``; ValueError otherwise)."""
     value = o.get("filter_eps")
-    if value is None or str(value).strip().lower() == "none":
+    text = None if value is None else str(value).strip().lower()
+    if text is None or text == "none":
         return None
-    if str(value).strip().lower() == "auto":
-        return "auto"
-    try:
-        eps = float(value)
-    except ValueError:
-        raise ValueError(f"expected none, auto or a number >= 0, got {value!r}") from None
-    if not (0.0 <= eps < math.inf):
-        raise ValueError(f"expected none, auto or a finite number >= 0, got {value!r}")
-    return eps
+    if text != "auto":
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"expected none, auto or a number >= 0, got {value!r}") from None
+    return check_filter_eps(value)
 
 
 def describe_range(low, high, low_in, high_in, kind: type) -> str:

@@ -72,7 +72,7 @@ from launch.checkpoints import (  # noqa: E402
     open_checkpoint,
     overwrite_run_dir,
 )
-from launch.config import parse_args  # noqa: E402
+from launch.config import filter_eps, parse_args  # noqa: E402
 from launch.data import load_data  # noqa: E402
 from launch.dist_env import (  # noqa: E402
     CollectiveError,
@@ -239,7 +239,7 @@ def run(o: dict, backend: str, device: torch.device, wall0: float, lock: RunLock
     )
 
     history = {"step": [], "loss": [], "grad_norm": [], "lr": [], "val": []}
-    if o["filter_eps"] not in (None, "none"):
+    if filter_eps(o) is not None:
         history["filtered"] = []  # share of G's tiles the step's products left out
     if o["check_against_unsharded"]:
         history["ref_loss"] = []

@@ -17,30 +17,28 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_bench_loss_quick_runs_and_checks_losses(tmp_path):
+def run_script(script: str, args: list[str], timeout: int) -> str:
+    """``python benchmarks/<script> <args>`` from the repository root; its stdout, after
+    asserting that it exited 0 (the tails of both streams otherwise)."""
     out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/bench_loss.py",
-            "--quick",
-            "--impls",
-            "ours_gif",
-            "ours_gif_sync",
-            "--dtypes",
-            "fp32",
-            "--repeats",
-            "1",
-            "--json",
-            str(tmp_path / "rows.json"),
-        ],  # fmt: skip
+        [sys.executable, f"benchmarks/{script}", *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    text = out.stdout
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_bench_loss_quick_runs_and_checks_losses(tmp_path):
+    text = run_script(
+        "bench_loss.py",
+        ["--quick", "--impls", "ours_gif", "ours_gif_sync", "--dtypes", "fp32",
+         "--repeats", "1", "--json", str(tmp_path / "rows.json")],
+        timeout=600,
+    )  # fmt: skip
     assert "| ours grad_in_forward (auto) | 1 | fp32 |" in text
     assert "| ours grad_in_forward, no overlap | 2 | fp32 |" in text
     assert "MISMATCH" not in text
@@ -55,30 +53,13 @@ def test_bench_filter_quick_runs_on_a_trained_workload(tmp_path):
     """bench_filter.py --quick: a tiny model trained into tmp_path (the tokenizer too), then
     ours exact and filtered at 1 and 2 gloo ranks, their losses and gradient errors
     checked against the float64 reference, the skipped fraction reported."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/bench_filter.py",
-            "--quick",
-            "--impls",
-            "ours_exact",
-            "ours_filtered",
-            "--dtypes",
-            "bf16",
-            "--workloads",
-            "trained",
-            "--cache-dir",
-            str(tmp_path),
-            "--json",
-            str(tmp_path / "rows.json"),
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
+    text = run_script(
+        "bench_filter.py",
+        ["--quick", "--impls", "ours_exact", "ours_filtered", "--dtypes", "bf16",
+         "--workloads", "trained", "--cache-dir", str(tmp_path),
+         "--json", str(tmp_path / "rows.json")],
         timeout=900,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    text = out.stdout
+    )  # fmt: skip
     for world in (1, 2):
         assert f"| trained | 4096 | bf16 | {world} | ours exact (filter_eps=None) |" in text
         assert f'| trained | 4096 | bf16 | {world} | ours filtered (filter_eps="auto") |' in text

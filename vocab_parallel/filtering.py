@@ -99,10 +99,6 @@ class GradientFilterStats:
         seen = self.input_tiles + self.weight_tiles
         return self.skipped / seen if seen else 0.0
 
-    def reset(self) -> None:
-        self.tiles = self.skipped_input = self.skipped_weight = 0
-        self.input_tiles = self.weight_tiles = 0
-
 
 _STATS = GradientFilterStats()
 
@@ -113,34 +109,40 @@ def gradient_filter_stats(reset: bool = False) -> GradientFilterStats:
     that were filtered: log it beside the loss."""
     snapshot = GradientFilterStats(**vars(_STATS))
     if reset:
-        _STATS.reset()
+        # The live counter only: a snapshot has no reset of its own that could do nothing.
+        vars(_STATS).update(vars(GradientFilterStats()))
     return snapshot
 
 
 def tile_mask(g: torch.Tensor, f: GradientFilter) -> torch.Tensor:
     """``[ceil(BT / TILE_ROWS), ceil(n / TILE_COLS)]`` bool: which tiles of the chunk
-    ``g [BT, n]`` are kept (some entry at or above ``eps |grad_i|``). One read of ``g``
-    per row block, fp32 temporaries of one row block."""
+    ``g [BT, n]`` are kept (some entry at or above ``eps |grad_i|``). Two reductions over
+    ``g`` in place (max and min per row and tile of columns, on a view: no copy of the
+    chunk), then the small ``[BT, tiles]`` maxima scaled per row and reduced per row block."""
     bt, n = g.shape
     n_cb = -(-n // TILE_COLS)
     n_rb = -(-bt // TILE_ROWS)
     if f.eps <= 0:  # |G_ij| < 0 never holds: every tile is kept
         return torch.ones((n_rb, n_cb), dtype=torch.bool, device=g.device)
+    full = n // TILE_COLS * TILE_COLS
+    parts = []
+    if full:
+        tiles = g[:, :full].unflatten(1, (full // TILE_COLS, TILE_COLS))
+        parts.append(torch.maximum(tiles.amax(dim=2), tiles.amin(dim=2).neg()))
+    if full < n:  # the last, narrower tile of columns
+        tail = g[:, full:]
+        parts.append(torch.maximum(tail.amax(dim=1), tail.amin(dim=1).neg())[:, None])
+    row_max = torch.cat(parts, dim=1).to(torch.float32)  # [BT, n_cb] max |G| per row, tile
     scale = f.grad.to(torch.float32).abs()
     # Rows of zero upstream gradient have G = 0: left out (inv 0) whatever eps.
     inv = torch.where(scale > 0, 1.0 / (f.eps * scale), 0.0)
-    pad = n_cb * TILE_COLS - n
-    blocks = []
-    for r0 in range(0, bt, TILE_ROWS):
-        r1 = min(bt, r0 + TILE_ROWS)
-        a = g[r0:r1].abs().to(torch.float32)
-        a.mul_(inv if inv.numel() == 1 else inv[r0:r1, None])
-        col = a.amax(dim=0)
-        if pad:
-            col = torch.nn.functional.pad(col, (0, pad))
-        # Kept unless below 1: a NaN or infinite G keeps its tile (nothing hides it).
-        blocks.append(~(col.view(n_cb, TILE_COLS).amax(dim=1) < 1.0))
-    return torch.stack(blocks)
+    row_max.mul_(inv if inv.numel() == 1 else inv[:, None])
+    pad = n_rb * TILE_ROWS - bt
+    if pad:
+        row_max = torch.nn.functional.pad(row_max, (0, 0, 0, pad))
+    tile_max = row_max.view(n_rb, TILE_ROWS, n_cb).amax(dim=1)
+    # Kept unless below 1: a NaN or infinite G keeps its tile (nothing hides it).
+    return ~(tile_max < 1.0)
 
 
 def _runs(keys: list) -> list[tuple[int, int]]:

@@ -10,6 +10,8 @@ and targets: the worst case, where almost no tile is skipped):
                                                   # V 32768 and 131072, fp32 and bf16, 1 and 2 ranks
     python benchmarks/bench_filter.py --vocabs 32768 --dtypes fp32 --workloads trained
     python benchmarks/bench_filter.py --quick     # a tiny trained model (V 4096): a smoke run
+    python benchmarks/bench_filter.py --d-model 512   # the same GPT 4x wider: H=512, where the
+                                                  # GEMMs filtering thins are most of the time
 
 Rows (``--impls``; every row one fresh group of processes, gloo ranks, vocabulary sharded
 with ``vocab_parallel.shard_bounds``; single-rank peers run at 1 rank only):
@@ -307,10 +309,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda":
         sys.exit("bench_filter: CPU only for now (the peers' CUDA rows are bench_loss.py's)")
-    train_options = QUICK_TRAIN if args.quick else {}
+    train_options = dict(QUICK_TRAIN) if args.quick else {}
+    if args.d_model:
+        train_options["d_model"] = args.d_model
     _, where = harness.pick_device("cpu")
     print(f"# bench_filter: cpu ({where}), torch {torch.__version__}, python {sys.executable}")
-    print(f"# BT={args.bt}, V={args.vocabs}, workloads {args.workloads}; fastest of "
+    h = train_options.get("d_model", trained_workload.DEFAULTS["d_model"])
+    print(f"# BT={args.bt}, H={h}, V={args.vocabs}, workloads {args.workloads}; fastest of "
           f"{args.repeats} fwd+bwd calls after a warm-up; mode {args.mode}, filter_grads "
           f"{args.filter_grads}")  # fmt: skip
     if filter_api() is None:

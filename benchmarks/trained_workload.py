@@ -242,12 +242,14 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, nargs="+", default=list(VOCABS))
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--d-model", type=int, default=DEFAULTS["d_model"],
+                   help="the GPT's width, the head's H (default 128, the main job's)")  # fmt: skip
     p.add_argument("--cache-dir", default=str(CACHE))
     p.add_argument("--stats", action="store_true", help="print the workload's statistics")
     args = p.parse_args(argv)
     rows = []
     for v in args.vocab:
-        w = load(v, Path(args.cache_dir), steps=args.steps, seed=args.seed)
+        w = load(v, Path(args.cache_dir), steps=args.steps, seed=args.seed, d_model=args.d_model)
         print(f"# V={v}: {w['options']['name']}, trained in {w['train_seconds']} s "
               f"({w['threads']} threads), final train loss {w['train_losses'][-1]:.3f}, "
               f"validation loss {w['val_loss']:.3f}, tokenizer "

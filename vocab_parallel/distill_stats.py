@@ -134,7 +134,7 @@ class _Online:
         self.extra = [torch.zeros_like(self.s) for _ in range(extras)]
 
     def add(self, y: torch.Tensor, *terms: torch.Tensor) -> None:
-        new = torch.maximum(self.m, y.max(dim=1).values)
+        new = torch.maximum(self.m, y.amax(dim=1))
         decay = torch.exp(self.m - new)
         e = torch.sub(y, new[:, None]).exp_()
         self.s = self.s * decay + e.sum(dim=1)

@@ -214,7 +214,7 @@ def forward_stats(
         pred += torch.where(in_chunk, picked, 0.0)
         if logit_sum:  # only label smoothing needs it: skip the pass otherwise
             lsum += z.sum(dim=1) if cw is None else torch.mv(z, cw[v0:v1])
-        new_max = torch.maximum(row_max, z.max(dim=1).values)
+        new_max = torch.maximum(row_max, z.amax(dim=1))
         if extra_stats:
             _extra_stats_(z, row_max, new_max, row_sum, shifted, exp2, in_place=out is None)
         else:

@@ -55,7 +55,7 @@ def test_bench_filter_quick_runs_on_a_trained_workload(tmp_path):
     checked against the float64 reference, the skipped fraction reported."""
     text = run_script(
         "bench_filter.py",
-        ["--quick", "--impls", "ours_exact", "ours_filtered", "--dtypes", "bf16",
+        ["--quick", "--impls", "ours_exact", "ours_filtered", "ours_sorted", "--dtypes", "bf16",
          "--workloads", "trained", "--cache-dir", str(tmp_path),
          "--json", str(tmp_path / "rows.json")],
         timeout=900,
@@ -63,6 +63,7 @@ def test_bench_filter_quick_runs_on_a_trained_workload(tmp_path):
     for world in (1, 2):
         assert f"| trained | 4096 | bf16 | {world} | ours exact (filter_eps=None) |" in text
         assert f'| trained | 4096 | bf16 | {world} | ours filtered (filter_eps="auto") |' in text
+        assert f"| trained | 4096 | bf16 | {world} | ours filtered, vocabulary sorted" in text
     assert "MISMATCH" not in text and "error" not in text
     assert "filtered" in text and "tiles skipped" in text  # the issue-24 target lines
     assert list(tmp_path.glob("trained_head_V4096_*.pt"))

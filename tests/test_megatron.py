@@ -27,6 +27,7 @@ from vocab_parallel.integrations.megatron import VocabParallelOutputProcessor
 
 V, H, SEQ, BATCH, STEPS, LR = 126, 32, 10, 3, 3, 0.5
 REL = 1e-6
+DRIFT = 1e-5  # after a few SGD steps of two fp32 trajectories (test_gpt_model_tp2_...)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rel: float = REL) -> float:
@@ -166,7 +167,7 @@ def _train_pair(sequence_parallel: bool, tied: bool) -> dict:
     pairs = list(zip(theirs.parameters(), ours.parameters(), strict=True))
     opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (theirs, ours)]
     pos = torch.arange(SEQ)[None].expand(BATCH, SEQ)
-    worst = {"loss": 0.0, "grad": 0.0, "grad_at": "", "losses": []}
+    worst = {"loss": 0.0, "grad": 0.0, "grad_at": "", "losses": [], "grad_first": 0.0}
     for step in range(STEPS):
         ids, labels, mask = _batch(step)
         per_model = []
@@ -179,8 +180,10 @@ def _train_pair(sequence_parallel: bool, tied: bool) -> dict:
         for name, (a, b) in zip(names, pairs, strict=True):
             assert a.grad is not None and b.grad is not None and a.grad.abs().max() > 0, name
             d = _close(b.grad, a.grad)
+            if step == 0:  # the same parameters: only the two losses' rounding differs
+                worst["grad_first"] = max(worst["grad_first"], d)
             if d >= worst["grad"]:
-                worst["grad"], worst["grad_at"] = d, name
+                worst["grad"], worst["grad_at"] = d, f"{name} (step {step})"
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -323,7 +326,12 @@ def test_gpt_model_tp2_equals_megatron():
         for key in (k for k in result if k.startswith("train")):
             r = result[key]
             assert r["loss"] < REL, (rank, key, r)
-            assert r["grad"] < REL, (rank, key, r["grad_at"], r["grad"])
+            assert r["grad_first"] < REL, (rank, key, r["grad_first"])
+            # Later steps start from parameters that SGD moved by gradients that differed
+            # in their last bits: training amplifies that a little (step 0: at most 3e-7;
+            # seen: 1.4e-6 at
+            # step 1 of the SP + tied run, megatron-core 0.19.2, torch 2.13).
+            assert r["grad"] < DRIFT, (rank, key, r["grad_at"], r["grad"])
         for key in (k for k in result if k.startswith("options")):
             assert max(result[key].values()) < 1e-5, (rank, key, result[key])
         d = result["drop_in"]

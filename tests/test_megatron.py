@@ -329,8 +329,7 @@ def test_gpt_model_tp2_equals_megatron():
             assert r["grad_first"] < REL, (rank, key, r["grad_first"])
             # Later steps start from parameters that SGD moved by gradients that differed
             # in their last bits: training amplifies that a little (step 0: at most 3e-7;
-            # seen: 1.4e-6 at
-            # step 1 of the SP + tied run, megatron-core 0.19.2, torch 2.13).
+            # seen: 1.4e-6 at step 1 of the SP + tied run, megatron-core 0.19.2, torch 2.13).
             assert r["grad"] < DRIFT, (rank, key, r["grad_at"], r["grad"])
         for key in (k for k in result if k.startswith("options")):
             assert max(result[key].values()) < 1e-5, (rank, key, result[key])

@@ -3,6 +3,7 @@
     python scripts/aot_compile.py                 # sm_80, sm_90, sm_100: a table
     python scripts/aot_compile.py --json out.json --jobs 2 --targets 90
     python scripts/aot_compile.py --match ENTROPY     # only the variants with that flag
+    python scripts/aot_compile.py --cover             # a covering subset (what CI compiles)
 
 No GPU is needed: ``triton.compile`` lowers each variant (kernel x input dtype x mode
 constexprs x tile of that target, as listed by ``launch_variants`` next to each launcher)
@@ -11,6 +12,14 @@ contiguous launch gets at run time (``SPECS``: all sizes 16-divisible, or only H
 Checked per variant: it compiles, its shared memory (``metadata.shared``) fits the
 target's per-block limit, and ``ptxas -v`` (Triton's bundled ptxas) reports no register
 spills and fewer than 255 registers. Exit status 1 on any failure.
+
+``--cover`` compiles a covering subset (:func:`cover`): per kernel, dtype and tile, the
+variant with the most mode flags on, the one with the fewest, and for each flag the
+heaviest variant with it on and with it off. The flags add work to the same tile loop,
+so the heaviest variant of a tile is the likeliest to reach the register and shared
+memory limits, and every flag value is still compiled once per tile. About a quarter of
+the variants: what the test suite compiles on every run (the whole set takes about 15
+minutes on 2 CPU cores; run it when a kernel or a tile table changes).
 
 Triton's interpreter must be off here (TRITON_INTERPRET is removed before triton loads).
 """
@@ -65,6 +74,37 @@ ALIGNED_HIDDEN = {"H", "stride_xm", "stride_wn"}
 
 def variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
     return forward.launch_variants(capability) + backward.launch_variants(capability)
+
+
+def _flags(meta: dict) -> list[str]:
+    """The mode flags of a variant (upper-case bool constexprs), on or off."""
+    return [k for k, v in meta.items() if k.isupper() and isinstance(v, bool)]
+
+
+def cover(found: list[tuple[object, torch.dtype, dict]]) -> list[int]:
+    """Indices of a covering subset of ``found`` (see the module's ``--cover``), in order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (kernel, dtype, meta) in enumerate(found):
+        tile = tuple(meta.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", *LAUNCH_OPTIONS))
+        groups.setdefault((kernel.__name__, dtype, tile), []).append(i)
+    chosen = set()
+    for members in groups.values():
+
+        def on(i: int, flag: str) -> bool:
+            return bool(found[i][2].get(flag))
+
+        def weight(i: int) -> tuple[int, int]:  # flags on, then the first listed
+            return sum(on(i, f) for f in _flags(found[i][2])), -i
+
+        pick = {max(members, key=weight), min(members, key=weight)}
+        for flag in sorted({f for i in members for f in _flags(found[i][2])}):
+            for value in (True, False):
+                if not any(on(i, flag) == value for i in pick):
+                    with_value = [i for i in members if on(i, flag) == value]
+                    if with_value:
+                        pick.add(max(with_value, key=weight))
+        chosen |= pick
+    return sorted(chosen)
 
 
 def source(kernel, dtype: torch.dtype, meta: dict, spec: str = "aligned") -> ASTSource:
@@ -208,17 +248,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the rows (and skipped targets) here")
     p.add_argument("--specs", nargs="+", choices=SPECS, default=list(SPECS))
     p.add_argument("--match", help="only variants whose description contains this (e.g. ENTROPY)")
+    p.add_argument("--cover", action="store_true", help="a covering subset (see above)")
     args = p.parse_args(argv)
 
     skipped = [a for a in args.targets if a >= 100 and not toolchain_supports(a)]
     targets = [a for a in args.targets if a not in skipped]
-    jobs = [
-        (a, i, spec)
-        for a in targets
-        for i, (kernel, dtype, meta) in enumerate(variants(divmod(a, 10)))
-        if args.match is None or args.match in describe(kernel, dtype, meta)
-        for spec in args.specs
-    ]
+    jobs = []
+    for a in targets:
+        found = variants(divmod(a, 10))
+        keep = cover(found) if args.cover else range(len(found))
+        jobs += [
+            (a, i, spec)
+            for i in keep
+            if args.match is None or args.match in describe(*found[i])
+            for spec in args.specs
+        ]
     spawn = multiprocessing.get_context("spawn")  # no fork of a process with threads
     with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=spawn) as pool:
         rows = list(pool.map(compile_one, jobs))

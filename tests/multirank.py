@@ -1,6 +1,7 @@
 """Spawn gloo ranks for a test, with timeouts so that a failing rank never hangs the suite.
 
-``run_ranks(fn, world, *args)`` starts ``world`` processes (spawn), each initialising a
+``run_ranks(fn, world, *args)`` starts ``world`` processes (forked from a server that
+has imported torch, see ``_context``), each initialising a
 gloo group through a FileStore, and returns the list of ``fn(group, *args)`` results in
 rank order. A rank that raises makes the call fail with that rank's traceback; the
 others are terminated (they would otherwise wait in a collective until gloo's timeout).
@@ -44,6 +45,22 @@ def _worker(rank, world, store_path, fn, args, results):
         results.put((rank, False, traceback.format_exc()))
 
 
+# Modules every rank imports, loaded once in the fork server (below).
+PRELOAD = ["torch", "torch.distributed", "vocab_parallel"]
+
+
+def _context():
+    """Rank processes forked from a server that has imported torch and the library once
+    (``forkserver``): a rank starts in well under a second where a fresh interpreter
+    (``spawn``) spends seconds importing torch, per rank and per test. The server has
+    imported modules and nothing else (no thread pool, no process group), so a fork of it
+    is as clean as a spawn; the environment is the suite's when the server starts (the
+    first multi-rank test, after conftest.py)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 600.0) -> list:
     """Run ``fn(group, *args)`` on ``world`` gloo ranks; results in rank order.
 
@@ -58,7 +75,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 600.0) -> list:
             f"{world} ranks need {world} GPUs, this machine has {torch.cuda.device_count()}; "
             "the CPU suite runs them on gloo"
         )
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")

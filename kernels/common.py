@@ -39,9 +39,10 @@ SMEM_LIMIT = {
 # The targets the ahead-of-time compile test covers.
 AOT_TARGETS = ((8, 0), (9, 0), (10, 0))
 
-# Kernels with a tile table: the two that multiply (logits recompute in the backward,
-# the forward statistics) and the backward from a saved softmax (streams, no product).
-MATMUL_KERNELS = ("forward_stats", "logits_grad")
+# Kernels with a tile table: those that multiply (logits recompute in the backward, the
+# forward statistics, distillation's two-head forward statistics) and the backward from
+# a saved softmax (streams, no product).
+MATMUL_KERNELS = ("forward_stats", "logits_grad", "distill_stats")
 STREAM_KERNELS = ("softmax_grad",)
 
 
@@ -97,6 +98,12 @@ _HALF_TILES = {
     ("logits_grad", 8): (128, 128, 64, 8, 4),  # triton >= 3.9; before: _OLD_TRITON_TILES
     ("logits_grad", 9): (128, 128, 64, 16, 4),
     ("logits_grad", 10): (128, 128, 64, 8, 4),
+    # Distillation's two-head forward statistics (kernels/distill.py): both heads' tiles
+    # and the student's tempered one live at once, so half the forward's columns; with
+    # 64 of them ptxas needs 255 registers at odd sizes on sm_80 and spills on sm_90.
+    ("distill_stats", 8): (64, 32, 32, 8, 3),
+    ("distill_stats", 9): (64, 32, 64, 8, 4),
+    ("distill_stats", 10): (64, 32, 64, 8, 4),
 }
 # Triton before 3.9 (3.6 is the oldest supported) allocates registers differently
 # (scripts/aot_compile.py on both): on sm_100 the forward tile above spills there (8-16
@@ -114,6 +121,8 @@ if _TRITON_VERSION < (3, 9):
 _FP32_TILES = {
     "forward_stats": TileConfig(32, 32, 32, 8, 3),
     "logits_grad": TileConfig(64, 64, 32, 4, 3),
+    # 4 warps: with 8, ptxas caps the FMA tile at 128 registers and spills (sm_90).
+    "distill_stats": TileConfig(32, 32, 32, 4, 3),
 }
 
 
@@ -191,6 +200,21 @@ def tile_configs(
         for rows in (SMALL_ROWS, 1 << 20)
     ]
     return list(dict.fromkeys(configs))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
+    """Vocabulary splits of a statistics kernel (each writes ``[splits, BT]`` partials
+    that its launcher merges) so that the grid fills the device (few when interpreting)."""
+    if interpreting() or device.type != "cuda":
+        return min(n_tiles, 2)  # two splits still exercise the merge
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    programs = 4 * _multiprocessors(index)
+    return max(1, min(n_tiles, triton.cdiv(programs, n_row_blocks)))
 
 
 @functools.cache

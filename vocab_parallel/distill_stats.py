@@ -142,6 +142,13 @@ class _Online:
             self.extra[i] = self.extra[i] * decay + _weighted_sum(e, t)
         self.m = new
 
+    @classmethod
+    def of(cls, m: torch.Tensor, s: torch.Tensor, *extra: torch.Tensor) -> _Online:
+        """The running statistics as already made elsewhere (the Triton kernel's)."""
+        online = cls.__new__(cls)
+        online.m, online.s, online.extra = m, s, list(extra)
+        return online
+
     def rescaled(self, shift: torch.Tensor) -> list[torch.Tensor]:
         decay = torch.exp(self.m - shift)
         return [self.s * decay] + [t * decay for t in self.extra]
@@ -209,6 +216,8 @@ def local_statistics(
         at_ids = torch.zeros(cols.ids.shape, dtype=accum, device=device)
     if rows == 0 or v == 0:
         return LocalStats(stu, tea, ce, predicted, at_ids)
+    if fused_statistics(spec, student, teacher):
+        return _fused_statistics(spec, student, teacher, inv_t, cols)
     it = None if inv_t is None else inv_t[:, None]
     for v0 in range(0, v, chunk_columns(rows, v)):
         v1 = min(v, v0 + chunk_columns(rows, v))
@@ -236,6 +245,38 @@ def local_statistics(
             if ce is not None:
                 ce.add(z)
     return LocalStats(stu, tea, ce, predicted, at_ids)
+
+
+def fused_statistics(spec: Spec, student: HeadLogits, teacher: HeadLogits | None) -> bool:
+    """Whether :func:`local_statistics` runs in the Triton kernel of both heads
+    (``kernels/distill.py``): the Triton backend, a dense teacher of the student's dtype
+    (its tile products are of one type; fp32 statistics), logits recomputed or filled
+    (high-performance mode, grad-in-forward's chunks), not read from saved ones."""
+    if student.backend != "triton" or spec.sparse or teacher is None:
+        return False
+    if student.accum != torch.float32 or teacher.x.dtype != student.x.dtype:
+        return False
+    return all(h.saved is None or h.fill for h in (student, teacher))
+
+
+def _fused_statistics(spec, student, teacher, inv_t, cols) -> LocalStats:
+    """:func:`local_statistics` by the Triton kernel: both heads' tiles, the online sums
+    of ``spec``'s divergence and the CE's in registers (``vocab_parallel.kernels.distill``);
+    with ``fill``, both heads' capped logits written into their ``saved`` buffers."""
+    from vocab_parallel.kernels import distill
+
+    fill = student.saved is not None
+    r = distill.distill_stats(
+        student.x, student.weight, student.bias, teacher.x, teacher.weight, teacher.bias,
+        divergence=spec.divergence, softcap=student.softcap, inv_temperature=inv_t,
+        local_target=cols.target if spec.ce else None, ce_sums=spec.ce and inv_t is not None,
+        logits_out=(student.saved, teacher.saved) if fill else None,
+    )  # fmt: skip
+    div = spec.divergence
+    stu = _Online.of(r.m_s, r.s_s, *([r.a] if div == "reverse_kl" else []))
+    tea = _Online.of(r.m_t, r.s_t, *([r.a] if div == "forward_kl" else []))
+    ce = None if r.m_c is None else _Online.of(r.m_c, r.s_c)
+    return LocalStats(stu, tea, ce, r.predicted if spec.ce else None, None)
 
 
 class RowTerms(NamedTuple):

@@ -267,6 +267,165 @@ def test_single_process_triton(case):
     assert check(case) == []
 
 
+# The Triton backend's forward statistics in its two-head kernel (kernels/distill.py):
+# odd shapes (37 tokens, V 389, H 48 / H_t 80: edge tiles in every dimension), both KLs
+# and the JSD's first pass, the CE mix with ignored tokens at T = 1 (the target logit
+# only) and T != 1 (the untempered sums too), a bias on either head, memory-saving
+# (nothing stored) and high-performance (both heads' logits stored by the kernel) modes,
+# grad-in-forward's chunks for the reverse KL (stored into its kept chunk).
+ODD = dict(backend="triton", tokens=37, vocab=389, hidden=48, teacher_hidden=80)
+FUSED = [
+    DCase(**ODD, mode="memory_saving", temperature="float", softcap=3.0, bias=True,
+          teacher_bias=True, hard_label_weight=0.2, seed=60),
+    DCase(**ODD, mode="memory_saving", divergence="reverse_kl", temperature="tensor",
+          softcap=3.0, bias=True, hard_label_weight=0.1, seed=61),
+    DCase(**ODD, mode="high_performance", temperature="tensor", teacher_bias=True,
+          hard_label_weight=0.3, seed=62),
+    DCase(**ODD, mode="high_performance", divergence="reverse_kl", temperature="one",
+          bias=True, hard_label_weight=0.1, seed=63),
+    DCase(**ODD, mode="memory_saving", dtype=BF16, temperature="float", softcap=3.0,
+          bias=True, hard_label_weight=0.1, seed=64),
+    DCase(**ODD, mode="high_performance", dtype=BF16, divergence="reverse_kl",
+          temperature="tensor", teacher_bias=True, hard_label_weight=0.2, seed=65),
+    DCase(**ODD, mode="memory_saving", divergence="reverse_kl", reduction="none",
+          target=False, seed=66),
+    DCase(**ODD, mode="memory_saving", divergence="jsd", temperature="float", softcap=3.0,
+          hard_label_weight=0.1, seed=67),
+    DCase(**ODD, divergence="reverse_kl", temperature="float", bias=True,
+          hard_label_weight=0.1, seed=68),  # auto: grad-in-forward
+]  # fmt: skip
+
+
+@pytest.fixture
+def distill_kernel_calls(monkeypatch):
+    """The calls of the two-head statistics kernel's launcher (a list of divergences)."""
+    from vocab_parallel.kernels import distill
+
+    calls = []
+    launcher = distill.distill_stats
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["divergence"])
+        return launcher(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "distill_stats", counted)
+    return calls
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("case", FUSED, ids=str)
+def test_triton_fused_statistics(case, distill_kernel_calls):
+    assert check(case) == []
+    assert distill_kernel_calls == [case.divergence]
+
+
+def _problem_args(case: DCase) -> dict:
+    x, w, xt, wt, y, b, bt, temp, *_ = _problem(case)
+    return dict(
+        hidden=x, weight=w, teacher_hidden=xt, teacher_weight=wt, target=y, bias=b,
+        teacher_bias=bt, temperature=temp, divergence=case.divergence, softcap=case.softcap,
+        hard_label_weight=case.hard_label_weight, backend=case.backend,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl"])
+def test_triton_forward_makes_no_logits_chunk(divergence, monkeypatch, distill_kernel_calls):
+    """The Triton backend's forward pass of both modes without a kept chunk reads
+    neither head's logits through memory (``HeadLogits.chunk`` refuses to run in it);
+    memory-saving mode's backward recomputes them as before."""
+    from vocab_parallel.distill_stats import HeadLogits
+
+    case = DCase(**ODD, divergence=divergence, temperature="tensor", softcap=3.0,
+                 bias=True, teacher_bias=True, hard_label_weight=0.2, seed=70)  # fmt: skip
+    args = _problem_args(case)
+    x = args.pop("hidden")
+    chunk = HeadLogits.chunk
+
+    def refuse(self, v0, v1):
+        raise AssertionError("a logits chunk was made in the forward statistics")
+
+    ref = distillation_reference(
+        x.double(), args["weight"].double(), teacher_hidden=args["teacher_hidden"].double(),
+        teacher_weight=args["teacher_weight"].double(), target=args["target"],
+        divergence=divergence, temperature=args["temperature"],
+        hard_label_weight=case.hard_label_weight, bias=args["bias"].double(),
+        teacher_bias=args["teacher_bias"].double(), softcap=case.softcap,
+    )  # fmt: skip
+    for mode in ("memory_saving", "high_performance"):
+        h = x.clone().requires_grad_(True)
+        monkeypatch.setattr(HeadLogits, "chunk", refuse)
+        loss = vp.vocab_parallel_distillation_loss(h, **args, mode=mode)
+        monkeypatch.setattr(HeadLogits, "chunk", chunk)
+        assert _rel(loss, ref) <= LOSS_TOL, (mode, float(loss), float(ref))
+        loss.backward()  # memory-saving: recomputed; high-performance: kept by the kernel
+        assert h.grad is not None and bool(torch.isfinite(h.grad).all())
+    assert distill_kernel_calls == [divergence, divergence]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+# The interpreter's numpy warns at v - u = -inf - (-inf) of a masked column (its e^ is 0,
+# the term is left out).
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_triton_kernel_statistics_equal_the_torch_path(divergence):
+    """The kernel's per-row statistics against the torch backend's walk
+    (``local_statistics``) on the same inputs: equal to fp32 rounding, with a masking
+    bias of ``-inf`` on both heads over the first 40 columns (the interpreter's first
+    32-column tile all ``-inf``) and the last 9 (no softcap: it would make them finite),
+    and the CE's sums; an empty shard gives
+    the starting maxima and zero sums."""
+    from vocab_parallel.distill_stats import Columns, HeadLogits, Spec, local_statistics
+    from vocab_parallel.kernels import distill
+
+    g = torch.Generator().manual_seed(80)
+    n, h, ht, v = 37, 48, 80, 389
+    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.6
+    xt, wt = torch.randn(n, ht, generator=g), torch.randn(v, ht, generator=g) * 0.8
+    b, bt = torch.randn(v, generator=g) * 0.3, torch.randn(v, generator=g) * 0.3
+    for bias in (b, bt):
+        bias[:40] = float("-inf")
+        bias[-9:] = float("-inf")
+    inv_t = torch.rand(n, generator=g) + 0.5
+    target = torch.randint(40, v - 9, (n,), generator=g)  # (unmasked columns: finite CE)
+    target[::3] = -1  # elsewhere
+    spec = Spec(divergence, hard_label_weight=0.2, has_target=True)
+    cols = Columns(target, None)
+    stats = {}
+    for backend in ("torch", "triton"):
+        heads = [HeadLogits(backend, a, c, d, None, torch.float32) for a, c, d in
+                 ((x, w, b), (xt, wt, bt))]  # fmt: skip
+        st = local_statistics(spec, *heads, inv_t, cols, v, n, torch.float32, x.device)
+        stats[backend] = [
+            st.student.m, st.student.s, *st.student.extra, st.teacher.m, st.teacher.s,
+            *st.teacher.extra, st.ce.m, st.ce.s, st.predicted,
+        ]  # fmt: skip
+    assert len(stats["torch"]) == len(stats["triton"]) == (7 if divergence == "jsd" else 8)
+    for ours, want in zip(stats["triton"], stats["torch"], strict=True):
+        assert bool(torch.isfinite(ours).all())
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    empty = distill.distill_stats(x, w[:0], None, xt, wt[:0], None, divergence=divergence,
+                                  ce_sums=True)  # fmt: skip
+    assert bool((empty.m_s == torch.finfo(torch.float32).min).all())
+    assert bool((empty.s_s == 0).all()) and bool((empty.predicted == 0).all())
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("case", [FUSED[1], FUSED[4], FUSED[5]], ids=str)
+def test_triton_fused_statistics_bitwise_deterministic(case):
+    args = _problem_args(case)
+    x = args.pop("hidden")
+    results = []
+    for _ in range(2):
+        h = x.clone().requires_grad_(True)
+        w = args["weight"].clone().requires_grad_(True)
+        loss = vp.vocab_parallel_distillation_loss(h, **(args | dict(weight=w)), mode=case.mode)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    for first, second in zip(*results, strict=True):
+        assert torch.equal(first, second)
+
+
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", "topk"])
 def test_gradcheck_float64(divergence):
     g = torch.Generator().manual_seed(3)

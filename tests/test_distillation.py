@@ -618,6 +618,21 @@ def test_every_rank_matches_the_unsharded_reference(world):
     assert errors == [], "\n".join(errors[:10])
 
 
+def _fused_on_two_ranks(group):
+    errors = []
+    for case in (FUSED[0], FUSED[5], replace(FUSED[1], vocab=67)):  # shards 195/194, 34/33
+        errors += check(case, group)
+    return errors
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_two_ranks_triton_fused_statistics():
+    """The two-head kernel's statistics through the collectives: 2 gloo ranks with uneven
+    shards, each rank's loss and gradients against the unsharded reference."""
+    errors = [e for rank in run_ranks(_fused_on_two_ranks, 2) for e in rank]
+    assert errors == [], "\n".join(errors[:10])
+
+
 def _four_ranks(group):
     errors = _check_all(group, [DCase(divergence="jsd", sp="uneven", seed=40),
                                 DCase(top_k=9, seed=41, dtype=BF16)])  # fmt: skip

@@ -17,7 +17,11 @@ a second time (:func:`jsd_sums`, one more SUM of two per-token sums). :func:`gra
 is ``d loss_i / d z_ij`` of one chunk (then ``G`` of the backends' two products,
 ``vocab_parallel.chunking``). The logits of a chunk come from :class:`HeadLogits`:
 recomputed by a backend (``"torch"``: a chunked fp32 GEMM; ``"triton"``: the forward
-statistics kernel writing them, ``kernels/forward.py``), or read from saved ones.
+statistics kernel writing them, ``kernels/forward.py``), or read from saved ones. On the
+Triton backend the dense teacher's first pass is one kernel instead
+(:func:`fused_statistics`, ``kernels/distill.py``): both heads' tiles and these sums in
+registers, no chunk of logits made (high-performance mode: written to the kept ones);
+the JSD's second pass, the top-k teacher and ``G`` stay on the chunks.
 Nothing here is larger than a few ``[rows, chunk]`` tensors.
 """
 

@@ -40,9 +40,9 @@ SMEM_LIMIT = {
 AOT_TARGETS = ((8, 0), (9, 0), (10, 0))
 
 # Kernels with a tile table: those that multiply (logits recompute in the backward, the
-# forward statistics, distillation's two-head forward statistics) and the backward from
-# a saved softmax (streams, no product).
-MATMUL_KERNELS = ("forward_stats", "logits_grad", "distill_stats")
+# forward statistics, distillation's two-head forward statistics and forward KL's G) and
+# the backward from a saved softmax (streams, no product).
+MATMUL_KERNELS = ("forward_stats", "logits_grad", "distill_stats", "distill_grad")
 STREAM_KERNELS = ("softmax_grad",)
 
 
@@ -104,6 +104,11 @@ _HALF_TILES = {
     ("distill_stats", 8): (64, 32, 32, 8, 3),
     ("distill_stats", 9): (64, 32, 64, 8, 4),
     ("distill_stats", 10): (64, 32, 64, 8, 4),
+    # Its forward KL's G from both heads' recomputed tiles: one tile per program, no
+    # online sums, so the forward's width fits (128 rows: above 200 registers).
+    ("distill_grad", 8): (64, 64, 32, 8, 3),
+    ("distill_grad", 9): (64, 64, 64, 8, 4),
+    ("distill_grad", 10): (64, 64, 64, 8, 4),
 }
 # Triton before 3.9 (3.6 is the oldest supported) allocates registers differently
 # (scripts/aot_compile.py on both): on sm_100 the forward tile above spills there (8-16
@@ -123,6 +128,7 @@ _FP32_TILES = {
     "logits_grad": TileConfig(64, 64, 32, 4, 3),
     # 4 warps: with 8, ptxas caps the FMA tile at 128 registers and spills (sm_90).
     "distill_stats": TileConfig(32, 32, 32, 4, 3),
+    "distill_grad": TileConfig(32, 32, 32, 4, 3),
 }
 
 
@@ -269,6 +275,18 @@ def tanh(y):
     else:
         t = tl.fdiv(1.0 - e, 1.0 + e)
     return tl.where(y < 0.0, -t, t)
+
+
+@triton.jit
+def round_bf16_rtne(v):
+    """Round fp32 to the nearest bf16 (ties to even), still held as fp32.
+
+    Triton's interpreter converts fp32 to bf16 by truncation; rounding first makes that
+    truncation exact, so interpreted results match the GPU's round-to-nearest-even.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit

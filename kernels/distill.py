@@ -45,8 +45,10 @@ from vocab_parallel.kernels.common import (
     device_capability,
     dot_in_fp32,
     full_vector,
+    interpreting,
     logits_tile,
     num_splits,
+    round_bf16_rtne,
     tanh,
     tile_config,
     tile_configs,
@@ -210,6 +212,114 @@ def _distill_stats_kernel(
         tl.store(sc_ptr + out, s_c, mask=row_ok)
 
 
+@triton.jit
+def _forward_kl_grad_kernel(
+    # Pointers: the student head
+    x_ptr,  # [BT, H] student hidden
+    w_ptr,  # [V, H] student weight rows of this shard
+    b_ptr,  # [V] student bias, contiguous (read when HAS_BIAS; zeros if it has none)
+    # Pointers: the teacher head
+    xt_ptr,  # [BT, Ht] teacher hidden
+    wt_ptr,  # [V, Ht] teacher weight rows (the same vocabulary rows)
+    bt_ptr,  # [V] teacher bias, contiguous (read when HAS_BIAS; zeros if it has none)
+    # Pointers: per row (fp32 unless said)
+    invt_ptr,  # [BT] inverse temperature (ones for T = 1)
+    ls_ptr,  # [BT] the student's global log-normaliser L_s of u
+    lt_ptr,  # [BT] the teacher's L_t of v
+    cd_ptr,  # [BT] c_d = upstream * (1 - a) / T (0 for ignored rows)
+    cce_ptr,  # [BT] c_ce = upstream * a (read when CE)
+    l1_ptr,  # [BT] the CE's untempered log-normaliser of z (read when CE_SCALED)
+    target_ptr,  # [BT] int64 local target column, -1 where not on this shard (when CE)
+    # Pointers: output
+    g_ptr,  # [BT, CV] output chunk of G, input dtype
+    # Sizes
+    BT,
+    H,
+    Ht,
+    v_start,  # first shard column of this chunk
+    n_cols,  # columns in this chunk
+    # Strides
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_xtm,
+    stride_xtk,
+    stride_wtn,
+    stride_wtk,
+    stride_gm,
+    stride_gn,
+    # Scalars
+    softcap,  # c of cap(r) = c * tanh(r / c), both heads (only read when SOFTCAP)
+    # Meta-parameters
+    CE: tl.constexpr,  # the hard-label mix: + c_ce (p1 - onehot)
+    CE_SCALED: tl.constexpr,  # p1 = e^(z - l1) (T != 1), else p1 = p_s (one coefficient)
+    HAS_BIAS: tl.constexpr,  # add each head's bias (zeros for a head without one)
+    SOFTCAP: tl.constexpr,  # cap both heads' logits; G gets the cap's derivative
+    DOT_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # round G to bf16 by hand (the interpreter truncates)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One tile of the dense forward KL's ``G = c_d (p_s - p_t) + c_ce (p1 - onehot)``,
+    times ``cap'(r) = 1 - (z / c)^2``, from both heads' recomputed tiles (the forward's
+    statistics already reduced: ``p_s = e^(u - L_s)``, ``p_t = e^(v - L_t)``)."""
+    # int64 rows and columns: rows * stride_gm passes 2^31 for a big chunk.
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns within the chunk
+    row_ok = rows < BT
+    col_ok = cols < n_cols
+    vcols = v_start + cols  # columns within the shard
+    inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=1.0)
+    inv_softcap = 1.0 / softcap
+
+    # The student's tile and its probabilities (exactly the statistics kernel's z).
+    z = logits_tile(
+        x_ptr, w_ptr, b_ptr, rows, vcols, row_ok, col_ok,
+        H, stride_xm, stride_xk, stride_wn, stride_wk,
+        HAS_BIAS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    if SOFTCAP:
+        z = tanh(z * inv_softcap) * softcap
+    l_s = tl.load(ls_ptr + rows, mask=row_ok, other=0.0)
+    c_d = tl.load(cd_ptr + rows, mask=row_ok, other=0.0)
+    p_s = tl.exp(z * inv_t[:, None] - l_s[:, None])
+    if CE:
+        c_ce = tl.load(cce_ptr + rows, mask=row_ok, other=0.0)
+        if CE_SCALED:  # the CE's own softmax of the untempered z
+            l_1 = tl.load(l1_ptr + rows, mask=row_ok, other=0.0)
+            g = c_ce[:, None] * tl.exp(z - l_1[:, None]) + c_d[:, None] * p_s
+        else:  # p1 = p_s: one coefficient
+            g = (c_d + c_ce)[:, None] * p_s
+        target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+        g = g - tl.where(vcols[None, :] == target[:, None], c_ce[:, None], 0.0)
+    else:
+        g = c_d[:, None] * p_s
+    # The teacher's tile: - c_d p_t.
+    v = logits_tile(
+        xt_ptr, wt_ptr, bt_ptr, rows, vcols, row_ok, col_ok,
+        Ht, stride_xtm, stride_xtk, stride_wtn, stride_wtk,
+        HAS_BIAS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    if SOFTCAP:
+        v = tanh(v * inv_softcap) * softcap
+    l_t = tl.load(lt_ptr + rows, mask=row_ok, other=0.0)
+    g = g - c_d[:, None] * tl.exp(v * inv_t[:, None] - l_t[:, None])
+    if SOFTCAP:  # through the cap: dz/dr = 1 - (z / c)^2
+        zc = z * inv_softcap
+        g = g * (1.0 - zc * zc)
+    if ROUND_BF16:
+        g = round_bf16_rtne(g)
+    tl.store(
+        g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn,
+        g.to(g_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
 def _meta(
     dtype: torch.dtype,
     divergence: str,
@@ -232,16 +342,38 @@ def _meta(
     )
 
 
+def _grad_meta(
+    dtype: torch.dtype, ce: bool, ce_scaled: bool, has_bias: bool, softcap: bool, tile: TileConfig
+) -> dict:
+    """Constexprs and launch options of one launch of the forward KL's ``G``."""
+    return dict(
+        CE=ce,
+        CE_SCALED=ce_scaled,
+        HAS_BIAS=has_bias,
+        SOFTCAP=softcap,
+        DOT_FP32=dot_in_fp32(dtype),
+        ROUND_BF16=interpreting() and dtype == torch.bfloat16,
+        **tile.meta(),
+    )
+
+
 def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
-    """Every ``(kernel, input dtype, constexprs and launch options)`` this launcher can
+    """Every ``(kernel, input dtype, constexprs and launch options)`` these launchers can
     choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
     flags = itertools.product(DIVERGENCES, *[(False, True)] * 4)
     for divergence, ce_sums, has_bias, softcap, store in flags:
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for dtype in dtypes:
             for tile in tile_configs("distill_stats", dtype, capability):
                 meta = _meta(dtype, divergence, ce_sums, has_bias, softcap, store, tile)
                 variants.append((_distill_stats_kernel, dtype, meta))
+    ce_kinds = ((False, False), (True, False), (True, True))  # none, at T = 1, at T != 1
+    for (ce, ce_scaled), has_bias, softcap in itertools.product(ce_kinds, *[(False, True)] * 2):
+        for dtype in dtypes:
+            for tile in tile_configs("distill_grad", dtype, capability):
+                meta = _grad_meta(dtype, ce, ce_scaled, has_bias, softcap, tile)
+                variants.append((_forward_kl_grad_kernel, dtype, meta))
     return variants
 
 
@@ -372,3 +504,97 @@ def distill_stats(
         m_c, s_c = _merge(p_mc, p_sc)
     a = (a_s + a_t)[0] if kl else None
     return DistillStats(m_s, s_s, m_t, s_t, a, m_c, s_c, p_pred.sum(dim=0))
+
+
+def forward_kl_gradient(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    teacher_x: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    teacher_bias: torch.Tensor | None,
+    *,
+    softcap: float | None,
+    inv_temperature: torch.Tensor | None,
+    ls: torch.Tensor,
+    lt: torch.Tensor,
+    c_d: torch.Tensor,
+    c_ce: torch.Tensor | None = None,
+    l1: torch.Tensor | None = None,
+    local_target: torch.Tensor | None = None,
+    chunk_columns: int,
+):
+    """``make_g(v0, v1, x_op, w_op)`` of ``vocab_parallel.chunking.gradient_products``:
+    the dense forward KL's ``G[:, v0:v1]`` in the input dtype, from both heads' tiles
+    recomputed in registers (:func:`distill_stats`' heads and cap; the reduced
+    normalisers ``ls``, ``lt`` fp32 ``[BT]``):
+
+        G = c_d (p_s - p_t) + c_ce (p1 - onehot(target)),  times 1 - (z / c)^2
+
+    ``c_d``: per row the upstream gradient times ``(1 - a) / T``; ``c_ce`` (None: no CE)
+    the upstream times ``a``, with ``local_target`` (int64, -1 elsewhere) and ``l1`` (the
+    untempered log-normaliser when ``T != 1``; None: ``p1 = p_s``). One ``[BT,
+    chunk_columns]`` buffer holds each chunk in turn (the chunk loop consumes it first).
+    """
+    bt, h = x.shape
+    v, ht = weight.shape[0], teacher_x.shape[1]
+    dtypes = {x.dtype, weight.dtype, teacher_x.dtype, teacher_weight.dtype}
+    if len(dtypes) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x: expected one dtype of fp16, bf16 or fp32 for both heads, got {dtypes}")
+    if teacher_x.shape[0] != bt or teacher_weight.shape != (v, ht) or weight.shape[1] != h:
+        raise ValueError(
+            f"teacher: expected teacher_x [{bt}, Ht] and teacher_weight [{v}, Ht] beside x "
+            f"{tuple(x.shape)} and weight {tuple(weight.shape)}, got "
+            f"{tuple(teacher_x.shape)} and {tuple(teacher_weight.shape)}"
+        )
+    ce, ce_scaled = c_ce is not None, l1 is not None
+    if ce_scaled and not ce:
+        raise ValueError("l1: the CE's normaliser without its coefficient c_ce")
+    capability = device_capability(x.device)
+    tile = tile_config("distill_grad", x.dtype, capability, bt)
+    has_bias = bias is not None or teacher_bias is not None
+
+    def bias_of(b, like):
+        return b.contiguous() if b is not None else torch.zeros(v, dtype=like, device=x.device)
+
+    b_s = bias_of(bias, x.dtype) if has_bias else x
+    b_t = bias_of(teacher_bias, teacher_x.dtype) if has_bias else x
+
+    def row(t):
+        return t.to(torch.float32).contiguous()
+
+    inv_t = full_vector(inv_temperature, bt, x.device)
+    ls, lt, c_d = row(ls), row(lt), row(c_d)
+    dummy = ls  # stands in for the vectors a variant does not read
+    c_ce = row(c_ce) if ce else dummy
+    l1 = row(l1) if ce_scaled else dummy
+    target = local_target.contiguous() if ce else dummy
+    meta = _grad_meta(x.dtype, ce, ce_scaled, has_bias, softcap is not None, tile)
+    cap = 1.0 if softcap is None else float(softcap)
+    g_buf = None
+
+    def make_g(v0: int, v1: int, x_op=None, w_op=None) -> torch.Tensor:
+        nonlocal g_buf
+        if g_buf is None:
+            g_buf = torch.empty((bt, chunk_columns), dtype=x.dtype, device=x.device)
+        n = v1 - v0
+        if not 0 <= v0 <= v1 <= v or n > chunk_columns:
+            raise ValueError(f"v0, v1: expected a chunk of at most {chunk_columns} of the "
+                             f"{v} columns, got [{v0}, {v1})")  # fmt: skip
+        g = g_buf[:, :n]
+        if bt == 0 or n == 0:
+            return g
+        grid = (triton.cdiv(bt, tile.BLOCK_M), triton.cdiv(n, tile.BLOCK_N))
+        _forward_kl_grad_kernel[grid](
+            x, weight, b_s, teacher_x, teacher_weight, b_t,
+            inv_t, ls, lt, c_d, c_ce, l1, target, g,
+            bt, h, ht, v0, n,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+            teacher_x.stride(0), teacher_x.stride(1), teacher_weight.stride(0),
+            teacher_weight.stride(1), g.stride(0), g.stride(1),
+            cap,
+            **meta,
+        )  # fmt: skip
+        return g
+
+    return make_g

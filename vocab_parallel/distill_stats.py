@@ -21,7 +21,8 @@ statistics kernel writing them, ``kernels/forward.py``), or read from saved ones
 Triton backend the dense teacher's first pass is one kernel instead
 (:func:`fused_statistics`, ``kernels/distill.py``): both heads' tiles and these sums in
 registers, no chunk of logits made (high-performance mode: written to the kept ones);
-the JSD's second pass, the top-k teacher and ``G`` stay on the chunks.
+and so is the dense forward KL's ``G`` from recomputed logits (:func:`fused_gradient`).
+The JSD's second pass, the top-k teacher and the other ``G`` stay on the chunks.
 Nothing here is larger than a few ``[rows, chunk]`` tensors.
 """
 
@@ -437,6 +438,28 @@ def gradient_chunk(
         p1.scatter_add_(1, idx[:, None], torch.where(here, -scale_ce, 0.0)[:, None])
         g.add_(p1)
     return _through_cap(g, z, softcap)
+
+
+def fused_gradient(spec, terms, student, teacher, inv_t, scale_d, scale_ce, cols, cv):
+    """``make_g`` of the dense forward KL's ``G`` by the Triton kernel
+    (``vocab_parallel.kernels.distill.forward_kl_gradient``: both heads' tiles
+    recomputed, :func:`gradient_chunk`'s formula in registers, ``G`` written in the input
+    dtype), or None where :func:`gradient_chunk` forms it: another divergence, the top-k
+    teacher, saved logits (high-performance mode reads them), or where
+    :func:`fused_statistics` does not apply."""
+    if spec.divergence != "forward_kl" or student.saved is not None:
+        return None
+    if not fused_statistics(spec, student, teacher):
+        return None
+    from vocab_parallel.kernels import distill
+
+    c_d = scale_d if inv_t is None else scale_d * inv_t
+    return distill.forward_kl_gradient(
+        student.x, student.weight, student.bias, teacher.x, teacher.weight, teacher.bias,
+        softcap=student.softcap, inv_temperature=inv_t, ls=terms.ls, lt=terms.lt, c_d=c_d,
+        c_ce=scale_ce, l1=terms.l1 if scale_ce is not None else None,
+        local_target=cols.target if scale_ce is not None else None, chunk_columns=cv,
+    )  # fmt: skip
 
 
 def _through_cap(g: torch.Tensor, z: torch.Tensor, softcap: float | None) -> torch.Tensor:

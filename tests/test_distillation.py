@@ -293,22 +293,34 @@ FUSED = [
           hard_label_weight=0.1, seed=67),
     DCase(**ODD, divergence="reverse_kl", temperature="float", bias=True,
           hard_label_weight=0.1, seed=68),  # auto: grad-in-forward
+    # The forward KL's G in its kernel too (memory-saving): the CE at T = 1 (p1 = p_s),
+    # no CE at all.
+    DCase(**ODD, mode="memory_saving", temperature="one", teacher_bias=True,
+          hard_label_weight=0.3, seed=69),
+    DCase(**ODD, mode="memory_saving", temperature="tensor", softcap=2.5, reduction="sum",
+          seed=71),
 ]  # fmt: skip
 
 
 @pytest.fixture
 def distill_kernel_calls(monkeypatch):
-    """The calls of the two-head statistics kernel's launcher (a list of divergences)."""
+    """The calls of the two-head kernels' launchers: ``"stats:<divergence>"`` and
+    ``"grad"`` (the forward KL's G, once per backward)."""
     from vocab_parallel.kernels import distill
 
     calls = []
-    launcher = distill.distill_stats
+    stats, grad = distill.distill_stats, distill.forward_kl_gradient
 
-    def counted(*args, **kwargs):
-        calls.append(kwargs["divergence"])
-        return launcher(*args, **kwargs)
+    def counted_stats(*args, **kwargs):
+        calls.append(f"stats:{kwargs['divergence']}")
+        return stats(*args, **kwargs)
 
-    monkeypatch.setattr(distill, "distill_stats", counted)
+    def counted_grad(*args, **kwargs):
+        calls.append("grad")
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "distill_stats", counted_stats)
+    monkeypatch.setattr(distill, "forward_kl_gradient", counted_grad)
     return calls
 
 
@@ -316,7 +328,8 @@ def distill_kernel_calls(monkeypatch):
 @pytest.mark.parametrize("case", FUSED, ids=str)
 def test_triton_fused_statistics(case, distill_kernel_calls):
     assert check(case) == []
-    assert distill_kernel_calls == [case.divergence]
+    fused_g = case.divergence == "forward_kl" and case.mode == "memory_saving"
+    assert distill_kernel_calls == [f"stats:{case.divergence}"] + ["grad"] * fused_g
 
 
 def _problem_args(case: DCase) -> dict:
@@ -360,7 +373,9 @@ def test_triton_forward_makes_no_logits_chunk(divergence, monkeypatch, distill_k
         assert _rel(loss, ref) <= LOSS_TOL, (mode, float(loss), float(ref))
         loss.backward()  # memory-saving: recomputed; high-performance: kept by the kernel
         assert h.grad is not None and bool(torch.isfinite(h.grad).all())
-    assert distill_kernel_calls == [divergence, divergence]
+    stats = [f"stats:{divergence}"]
+    grad = ["grad"] if divergence == "forward_kl" else []
+    assert distill_kernel_calls == stats + grad + stats  # (high-performance: G from kept)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -408,6 +423,63 @@ def test_triton_kernel_statistics_equal_the_torch_path(divergence):
                                   ce_sums=True)  # fmt: skip
     assert bool((empty.m_s == torch.finfo(torch.float32).min).all())
     assert bool((empty.s_s == 0).all()) and bool((empty.predicted == 0).all())
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize(
+    ("dtype", "softcap", "ce"),
+    [(torch.float32, 3.0, "scaled"), (torch.float32, None, "none"), (BF16, 3.0, "one"),
+     (BF16, None, "scaled")],
+)  # fmt: skip
+def test_triton_forward_kl_gradient_equals_the_torch_chunk(dtype, softcap, ce):
+    """The forward KL's G kernel against ``gradient_chunk`` (torch) on the same reduced
+    terms, chunk by chunk (chunks of 100 of the 389 columns: the offset of each), in the
+    input dtype: fp32 to rounding, bf16 within one rounding of the fp32 value."""
+    from vocab_parallel.distill_stats import (
+        Columns,
+        HeadLogits,
+        Spec,
+        gradient_chunk,
+        local_statistics,
+        reduce_statistics,
+    )
+    from vocab_parallel.kernels import distill
+
+    g = torch.Generator().manual_seed(90)
+    n, h, ht, v = 37, 48, 80, 389
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) * 0.6).to(dtype)
+    xt = torch.randn(n, ht, generator=g).to(dtype)
+    wt = (torch.randn(v, ht, generator=g) * 0.8).to(dtype)
+    b = (torch.randn(v, generator=g) * 0.3).to(dtype)
+    inv_t = None if ce == "one" else torch.rand(n, generator=g) + 0.5
+    target = torch.randint(-1, v, (n,), generator=g)
+    spec = Spec("forward_kl", hard_label_weight=0.0 if ce == "none" else 0.3, has_target=True)
+    cols = Columns(target, None)
+    heads = [HeadLogits("triton", a, c, d, softcap, torch.float32)
+             for a, c, d in ((x, w, b), (xt, wt, None))]  # fmt: skip
+    stats = local_statistics(spec, *heads, inv_t, cols, v, n, torch.float32, x.device)
+    terms = reduce_statistics(spec, stats, None, None)
+    upstream = torch.randn(n, generator=g)
+    scale_d = upstream * 0.7
+    scale_ce = None if ce == "none" else upstream * 0.3
+    c_d = scale_d if inv_t is None else scale_d * inv_t
+    make_g = distill.forward_kl_gradient(
+        x, w, b, xt, wt, None, softcap=softcap, inv_temperature=inv_t, ls=terms.ls,
+        lt=terms.lt, c_d=c_d, c_ce=scale_ce, l1=terms.l1 if scale_ce is not None else None,
+        local_target=target if scale_ce is not None else None, chunk_columns=100,
+    )  # fmt: skip
+    for v0 in range(0, v, 100):
+        v1 = min(v, v0 + 100)
+        want = gradient_chunk(spec, terms, heads[0].chunk(v0, v1), heads[1].chunk(v0, v1),
+                              inv_t, scale_d, scale_ce, cols, v0, v1, softcap)  # fmt: skip
+        got = make_g(v0, v1, None, None)
+        assert got.dtype == dtype and got.shape == (n, v1 - v0)
+        scale = float(want.abs().max())
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * scale)
+        else:  # the same fp32 value up to rounding, then one rounding to bf16
+            torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-6 * scale)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

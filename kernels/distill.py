@@ -1,4 +1,5 @@
-"""Triton kernel of distillation's forward statistics of one vocabulary shard (dense teacher).
+"""Triton kernels of distillation on one vocabulary shard (dense teacher): its forward
+statistics, and the forward KL's ``G``.
 
 For every row i, with the student's capped logits ``z = cap(x @ W.T + b)``, tempered
 ``u = z * inv_t``, and the teacher's ``v = cap(x_t @ W_t.T + b_t) * inv_t`` (``W_t`` the
@@ -20,6 +21,13 @@ with neither KL term; its second pass (``log m`` needs both normalisers) and the
 teacher stay on the torch epilogue over the forward-statistics kernel's logits
 (``vocab_parallel.distill_stats``).
 
+The backward of the dense forward KL from recomputed logits (memory-saving mode) has its
+own kernel, ``_forward_kl_grad_kernel``: one ``G`` tile per program, both heads' tiles
+recomputed, ``G = c_d (p_s - p_t) + c_ce (p1 - onehot)`` times the cap's derivative in
+registers, written once in the input dtype for the shared chunk loop's two torch GEMMs
+(:func:`forward_kl_gradient`). The other divergences' ``G``, and ``G`` from kept logits,
+are the torch epilogue's.
+
 The vocabulary is cut into splits that run in parallel, as in ``kernels/forward.py``:
 each writes its fp32 partials ``[splits, BT]``, and the launcher merges them in split
 order (deterministic; memory independent of V). Cross-rank reduction is the caller's.
@@ -28,7 +36,7 @@ Row and column indices are int64 (``vocab_parallel.kernels.common``).
 One bias flag serves both heads: a head without a bias reads a vector of zeros (adding
 0.0 leaves every logit as it was), and the inverse temperature is always read (ones for
 T = 1: ``z * 1.0 == z``), which keeps the variants that ``scripts/aot_compile.py``
-compiles to the 144 per target that ``launch_variants`` lists.
+compiles to the 144 + 36 per target that ``launch_variants`` lists.
 """
 
 from __future__ import annotations

@@ -63,16 +63,22 @@ class TileConfig:
     BLOCK_K: int
     num_warps: int
     num_stages: int
+    # PTX's .maxnreg (Triton's launch option), or None: ptxas's own choice (see
+    # REGISTER_BUDGET).
+    maxnreg: int | None = None
 
     def meta(self) -> dict:
         """Keyword arguments of a launch: the block constexprs and the launch options."""
-        return dict(
+        meta = dict(
             BLOCK_M=self.BLOCK_M,
             BLOCK_N=self.BLOCK_N,
             BLOCK_K=self.BLOCK_K,
             num_warps=self.num_warps,
             num_stages=self.num_stages,
         )
+        if self.maxnreg is not None:
+            meta["maxnreg"] = self.maxnreg
+        return meta
 
     def smem_bound(self, itemsize: int) -> int:
         """Upper bound of the pipelined operand buffers of a matmul tile: ``num_stages``
@@ -126,10 +132,21 @@ if _TRITON_VERSION < (3, 9):
 _FP32_TILES = {
     "forward_stats": TileConfig(32, 32, 32, 8, 3),
     "logits_grad": TileConfig(64, 64, 32, 4, 3),
-    # 4 warps: with 8, ptxas caps the FMA tile at 128 registers and spills (sm_90).
-    "distill_stats": TileConfig(32, 32, 32, 4, 3),
-    "distill_grad": TileConfig(32, 32, 32, 4, 3),
+    # Two heads' FMA products: 32 columns and a 3-deep pipeline need 255 registers and
+    # spill; 16 columns unpipelined fit (with REGISTER_BUDGET; 154 at most on sm_80).
+    "distill_stats": TileConfig(32, 16, 32, 4, 1),
+    "distill_grad": TileConfig(32, 32, 32, 4, 1),  # pipelined: 255 registers (sm_80, sm_90)
 }
+
+
+# Kernels launched with an explicit register budget. Left to itself, ptxas gives the
+# distillation kernels (two heads' tile products in one loop) a budget of its own choosing
+# (64-168 registers, below what they need at some sizes) and spills 4-52 bytes of
+# loop-invariant values in a third of their fp32 variants and a few of sm_100's;
+# with ``.maxnreg 255`` it takes what each variant needs (e.g. 120 where it took 80 and
+# spilled) and none spills (``scripts/aot_compile.py --match distill``). The interpreter
+# ignores the option.
+REGISTER_BUDGET = {"distill_stats": 255, "distill_grad": 255}
 
 
 def _family(capability: tuple[int, int]) -> int:
@@ -187,6 +204,8 @@ def tile_config(
         tile = _matmul_tile(kernel, dtype, tuple(capability), rows <= SMALL_ROWS)
     else:
         raise ValueError(f"kernel: unknown kernel {kernel!r}")
+    if kernel in REGISTER_BUDGET:
+        tile = dataclasses.replace(tile, maxnreg=REGISTER_BUDGET[kernel])
     if not heavy_epilogue:
         return tile
     if kernel == "forward_stats":  # half the depth of each product step

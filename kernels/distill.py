@@ -156,10 +156,13 @@ def _distill_stats_kernel(
     a = tl.zeros((BLOCK_M,), dtype=tl.float32)
     pred = tl.zeros((BLOCK_M,), dtype=tl.float32)
     inv_softcap = 1.0 / softcap  # a multiplication per logit, not a division
-    first_tile = pid_s * tiles_per_split
-    n_tiles = tl.minimum(tiles_per_split, tl.cdiv(V, BLOCK_N) - first_tile)
-    for t in range(0, n_tiles):
-        cols = (first_tile + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Every split walks tiles_per_split tiles: the last split's tiles past V are all
+    # padding (-inf: they add exact zeros and rescale by 1), at no cost in wall time
+    # (the other splits walk as many), and the trip count is a kernel argument, not a
+    # register live through the loop (which ptxas spilled).
+    first_col = pid_s * tiles_per_split * BLOCK_N
+    for t in range(0, tiles_per_split):
+        cols = first_col + t * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < V
         cols64 = cols.to(tl.int64)
         # The student's tile: z, then what the CE needs of it, then u.

@@ -58,7 +58,7 @@ FLOAT_ARGS = {"on_target", "smooth_all", "softcap"}
 # In the input dtype (the teacher's too: the distillation kernel takes one dtype for both
 # heads); target_ptr is int64, the rest fp32.
 INPUT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "g_ptr", "xt_ptr", "wt_ptr", "bt_ptr"}
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")  # maxnreg: only where a tile sets it
 # How Triton specialises the int arguments of a launch (a value divisible by 16 gets a hint):
 #   aligned: every size and stride (LLM shapes: BT, V_local, H all multiples of 16); the
 #            deepest pipelines, hence the most shared memory;
@@ -143,6 +143,8 @@ def describe(kernel, dtype: torch.dtype, meta: dict) -> str:
     flags = [k for k, v in meta.items() if k.isupper() and isinstance(v, bool) and v]
     tile = "x".join(str(meta[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     tile += f" w{meta['num_warps']} s{meta['num_stages']}"
+    if "maxnreg" in meta:
+        tile += f" r{meta['maxnreg']}"
     name = kernel.__name__.strip("_").removesuffix("_kernel")
     return f"{name} {TYPES[dtype]} {tile} {'+'.join(flags) or '-'}"
 
@@ -155,7 +157,7 @@ def compile_one(job: tuple[int, int, str]) -> dict:
     row = {"arch": arch, "variant": variant, "limit": common.smem_limit(capability)}
     t0 = time.time()
     try:
-        options = {k: meta[k] for k in LAUNCH_OPTIONS}
+        options = {k: meta[k] for k in LAUNCH_OPTIONS if k in meta}
         compiled = triton.compile(
             source(kernel, dtype, meta, spec),
             target=GPUTarget("cuda", arch, 32),

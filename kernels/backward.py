@@ -50,6 +50,7 @@ from vocab_parallel.kernels.common import (
     full_vector,
     interpreting,
     logits_tile,
+    round_bf16_rtne,
     tanh,
     tile_config,
     tile_configs,
@@ -57,18 +58,6 @@ from vocab_parallel.kernels.common import (
 
 # Bytes of the G chunk buffer the launcher aims for; ``CV`` follows from it and BT.
 CHUNK_BYTES = 256 * 1024 * 1024
-
-
-@triton.jit
-def _round_bf16_rtne(v):
-    """Round fp32 to the nearest bf16 (ties to even), still held as fp32.
-
-    Triton's interpreter converts fp32 to bf16 by truncation; rounding first makes that
-    truncation exact, so interpreted results match the GPU's round-to-nearest-even.
-    """
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
-    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -190,7 +179,7 @@ def _logits_grad_kernel(
     if SOFTCAP:  # through the cap: dz/dr = 1 - tanh(r / c)^2
         g = g * (1.0 - t * t)
     if ROUND_BF16:
-        g = _round_bf16_rtne(g)
+        g = round_bf16_rtne(g)
     tl.store(
         g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn,
         g.to(g_ptr.dtype.element_ty),

@@ -39,9 +39,10 @@ SMEM_LIMIT = {
 # The targets the ahead-of-time compile test covers.
 AOT_TARGETS = ((8, 0), (9, 0), (10, 0))
 
-# Kernels with a tile table: the two that multiply (logits recompute in the backward,
-# the forward statistics) and the backward from a saved softmax (streams, no product).
-MATMUL_KERNELS = ("forward_stats", "logits_grad")
+# Kernels with a tile table: those that multiply (logits recompute in the backward, the
+# forward statistics, distillation's two-head forward statistics and forward KL's G) and
+# the backward from a saved softmax (streams, no product).
+MATMUL_KERNELS = ("forward_stats", "logits_grad", "distill_stats", "distill_grad")
 STREAM_KERNELS = ("softmax_grad",)
 
 
@@ -62,16 +63,22 @@ class TileConfig:
     BLOCK_K: int
     num_warps: int
     num_stages: int
+    # PTX's .maxnreg (Triton's launch option), or None: ptxas's own choice (see
+    # REGISTER_BUDGET).
+    maxnreg: int | None = None
 
     def meta(self) -> dict:
         """Keyword arguments of a launch: the block constexprs and the launch options."""
-        return dict(
+        meta = dict(
             BLOCK_M=self.BLOCK_M,
             BLOCK_N=self.BLOCK_N,
             BLOCK_K=self.BLOCK_K,
             num_warps=self.num_warps,
             num_stages=self.num_stages,
         )
+        if self.maxnreg is not None:
+            meta["maxnreg"] = self.maxnreg
+        return meta
 
     def smem_bound(self, itemsize: int) -> int:
         """Upper bound of the pipelined operand buffers of a matmul tile: ``num_stages``
@@ -97,6 +104,17 @@ _HALF_TILES = {
     ("logits_grad", 8): (128, 128, 64, 8, 4),  # triton >= 3.9; before: _OLD_TRITON_TILES
     ("logits_grad", 9): (128, 128, 64, 16, 4),
     ("logits_grad", 10): (128, 128, 64, 8, 4),
+    # Distillation's two-head forward statistics (kernels/distill.py): both heads' tiles
+    # and the student's tempered one live at once, so half the forward's columns; with
+    # 64 of them ptxas needs 255 registers at odd sizes on sm_80 and spills on sm_90.
+    ("distill_stats", 8): (64, 32, 32, 8, 3),
+    ("distill_stats", 9): (64, 32, 64, 8, 4),
+    ("distill_stats", 10): (64, 32, 64, 8, 4),
+    # Its forward KL's G from both heads' recomputed tiles: one tile per program, no
+    # online sums, so the forward's width fits (128 rows: above 200 registers).
+    ("distill_grad", 8): (64, 64, 32, 8, 3),
+    ("distill_grad", 9): (64, 64, 64, 8, 4),
+    ("distill_grad", 10): (64, 64, 64, 8, 4),
 }
 # Triton before 3.9 (3.6 is the oldest supported) allocates registers differently
 # (scripts/aot_compile.py on both): on sm_100 the forward tile above spills there (8-16
@@ -114,7 +132,21 @@ if _TRITON_VERSION < (3, 9):
 _FP32_TILES = {
     "forward_stats": TileConfig(32, 32, 32, 8, 3),
     "logits_grad": TileConfig(64, 64, 32, 4, 3),
+    # Two heads' FMA products: 32 columns and a 3-deep pipeline need 255 registers and
+    # spill; 16 columns unpipelined fit (with REGISTER_BUDGET; 154 at most on sm_80).
+    "distill_stats": TileConfig(32, 16, 32, 4, 1),
+    "distill_grad": TileConfig(32, 32, 32, 4, 1),  # pipelined: 255 registers (sm_80, sm_90)
 }
+
+
+# Kernels launched with an explicit register budget. Left to itself, ptxas gives the
+# distillation kernels (two heads' tile products in one loop) a budget of its own choosing
+# (64-168 registers, below what they need at some sizes) and spills 4-52 bytes of
+# loop-invariant values in a third of their fp32 variants and a few of sm_100's;
+# with ``.maxnreg 255`` it takes what each variant needs (e.g. 120 where it took 80 and
+# spilled) and none spills (``scripts/aot_compile.py --match distill``). The interpreter
+# ignores the option.
+REGISTER_BUDGET = {"distill_stats": 255, "distill_grad": 255}
 
 
 def _family(capability: tuple[int, int]) -> int:
@@ -172,6 +204,8 @@ def tile_config(
         tile = _matmul_tile(kernel, dtype, tuple(capability), rows <= SMALL_ROWS)
     else:
         raise ValueError(f"kernel: unknown kernel {kernel!r}")
+    if kernel in REGISTER_BUDGET:
+        tile = dataclasses.replace(tile, maxnreg=REGISTER_BUDGET[kernel])
     if not heavy_epilogue:
         return tile
     if kernel == "forward_stats":  # half the depth of each product step
@@ -191,6 +225,21 @@ def tile_configs(
         for rows in (SMALL_ROWS, 1 << 20)
     ]
     return list(dict.fromkeys(configs))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
+    """Vocabulary splits of a statistics kernel (each writes ``[splits, BT]`` partials
+    that its launcher merges) so that the grid fills the device (few when interpreting)."""
+    if interpreting() or device.type != "cuda":
+        return min(n_tiles, 2)  # two splits still exercise the merge
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    programs = 4 * _multiprocessors(index)
+    return max(1, min(n_tiles, triton.cdiv(programs, n_row_blocks)))
 
 
 @functools.cache
@@ -245,6 +294,18 @@ def tanh(y):
     else:
         t = tl.fdiv(1.0 - e, 1.0 + e)
     return tl.where(y < 0.0, -t, t)
+
+
+@triton.jit
+def round_bf16_rtne(v):
+    """Round fp32 to the nearest bf16 (ties to even), still held as fp32.
+
+    Triton's interpreter converts fp32 to bf16 by truncation; rounding first makes that
+    truncation exact, so interpreted results match the GPU's round-to-nearest-even.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit

@@ -21,7 +21,6 @@ of V). Cross-rank reduction belongs to the caller. Row and column indices are in
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import torch
@@ -34,8 +33,8 @@ from vocab_parallel.kernels.common import (
     device_capability,
     dot_in_fp32,
     full_vector,
-    interpreting,
     logits_tile,
+    num_splits,
     tanh,
     tile_config,
     tile_configs,
@@ -159,20 +158,6 @@ def _forward_stats_kernel(
         tl.store(exp2_ptr + out, exp2, mask=row_ok)
 
 
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
-    """Vocabulary splits so that the grid fills the device (few when interpreting)."""
-    if interpreting() or device.type != "cuda":
-        return min(n_tiles, 2)  # two splits still exercise the merge
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    programs = 4 * _multiprocessors(index)
-    return max(1, min(n_tiles, triton.cdiv(programs, n_row_blocks)))
-
-
 def _meta(
     dtype: torch.dtype,
     store_logits: bool,
@@ -244,7 +229,7 @@ def forward_stats(
     tile = tile_config("forward_stats", x.dtype, capability, bt, heavy_epilogue=extra_stats)
     n_tiles = triton.cdiv(v, tile.BLOCK_N)
     n_row_blocks = triton.cdiv(bt, tile.BLOCK_M)
-    splits = _num_splits(n_row_blocks, n_tiles, x.device)
+    splits = num_splits(n_row_blocks, n_tiles, x.device)
     tiles_per_split = triton.cdiv(n_tiles, splits)
     splits = triton.cdiv(n_tiles, tiles_per_split)
     part = torch.empty((6 if extra_stats else 4, splits, bt), **f32)

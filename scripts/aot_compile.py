@@ -47,33 +47,42 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from vocab_parallel.kernels import backward, common, forward  # noqa: E402
+from vocab_parallel.kernels import backward, common, distill, forward  # noqa: E402
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Arguments a contiguous launch passes as 1 (Triton turns them into constexprs).
 UNIT_ARGS = {
     "stride_xk",
     "stride_wk",
+    "stride_xtk",
+    "stride_wtk",
     "stride_ln",
+    "stride_tn",
     "stride_sn",
     "stride_gn",
     "stride_grad",
     "stride_ps",
 }
 FLOAT_ARGS = {"on_target", "smooth_all", "softcap"}
-INPUT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "g_ptr"}  # in the input dtype; target_ptr is int64
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# In the input dtype (the teacher's too: the distillation kernel takes one dtype for both
+# heads); target_ptr is int64, the rest fp32.
+INPUT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "g_ptr", "xt_ptr", "wt_ptr", "bt_ptr"}
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")  # maxnreg: only where a tile sets it
 # How Triton specialises the int arguments of a launch (a value divisible by 16 gets a hint):
 #   aligned: every size and stride (LLM shapes: BT, V_local, H all multiples of 16); the
 #            deepest pipelines, hence the most shared memory;
 #   odd:     only H and the input/weight row strides (any BT and V: a prime vocabulary,
 #            an odd batch); scalar stores and masks, hence the most registers.
 SPECS = ("aligned", "odd")
-ALIGNED_HIDDEN = {"H", "stride_xm", "stride_wn"}
+ALIGNED_HIDDEN = {"H", "stride_xm", "stride_wn", "Ht", "stride_xtm", "stride_wtn"}
 
 
 def variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
-    return forward.launch_variants(capability) + backward.launch_variants(capability)
+    return (
+        forward.launch_variants(capability)
+        + backward.launch_variants(capability)
+        + distill.launch_variants(capability)
+    )
 
 
 def _flags(meta: dict) -> list[str]:
@@ -174,6 +183,8 @@ def describe(kernel, dtype: torch.dtype, meta: dict) -> str:
     flags = [k for k, v in meta.items() if k.isupper() and isinstance(v, bool) and v]
     tile = "x".join(str(meta[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     tile += f" w{meta['num_warps']} s{meta['num_stages']}"
+    if "maxnreg" in meta:
+        tile += f" r{meta['maxnreg']}"
     name = kernel.__name__.strip("_").removesuffix("_kernel")
     return f"{name} {TYPES[dtype]} {tile} {'+'.join(flags) or '-'}"
 
@@ -186,7 +197,7 @@ def compile_one(job: tuple[int, int, str]) -> dict:
     row = {"arch": arch, "variant": variant, "limit": common.smem_limit(capability)}
     t0 = time.time()
     try:
-        options = {k: meta[k] for k in LAUNCH_OPTIONS}
+        options = {k: meta[k] for k in LAUNCH_OPTIONS if k in meta}
         compiled = triton.compile(
             source(kernel, dtype, meta, spec),
             target=GPUTarget("cuda", arch, 32),

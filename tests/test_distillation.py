@@ -25,7 +25,7 @@ from vocab_parallel.testing import token_split
 # only (the reference sees the same rounded inputs); gradients: G rounded to the input
 # dtype once.
 LOSS_TOL = 2e-5
-GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2, torch.float64: 1e-10}
+GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float64: 1e-10}
 
 
 @dataclass(frozen=True)
@@ -267,6 +267,240 @@ def test_single_process_triton(case):
     assert check(case) == []
 
 
+# The Triton backend's forward statistics in its two-head kernel (kernels/distill.py):
+# odd shapes (37 tokens, V 389, H 48 / H_t 80: edge tiles in every dimension), both KLs
+# and the JSD's first pass, the CE mix with ignored tokens at T = 1 (the target logit
+# only) and T != 1 (the untempered sums too), a bias on either head, memory-saving
+# (nothing stored) and high-performance (both heads' logits stored by the kernel) modes,
+# grad-in-forward's chunks for the reverse KL (stored into its kept chunk).
+ODD = dict(backend="triton", tokens=37, vocab=389, hidden=48, teacher_hidden=80)
+FUSED = [
+    DCase(**ODD, mode="memory_saving", temperature="float", softcap=3.0, bias=True,
+          teacher_bias=True, hard_label_weight=0.2, seed=60),
+    DCase(**ODD, mode="memory_saving", divergence="reverse_kl", temperature="tensor",
+          softcap=3.0, bias=True, hard_label_weight=0.1, seed=61),
+    DCase(**ODD, mode="high_performance", temperature="tensor", teacher_bias=True,
+          hard_label_weight=0.3, seed=62),
+    DCase(**ODD, mode="high_performance", divergence="reverse_kl", temperature="one",
+          bias=True, hard_label_weight=0.1, seed=63),
+    DCase(**ODD, mode="memory_saving", dtype=BF16, temperature="float", softcap=3.0,
+          bias=True, hard_label_weight=0.1, seed=64),
+    DCase(**ODD, mode="high_performance", dtype=BF16, divergence="reverse_kl",
+          temperature="tensor", teacher_bias=True, hard_label_weight=0.2, seed=65),
+    DCase(**ODD, mode="memory_saving", divergence="reverse_kl", reduction="none",
+          target=False, seed=66),
+    DCase(**ODD, mode="memory_saving", divergence="jsd", temperature="float", softcap=3.0,
+          hard_label_weight=0.1, seed=67),
+    DCase(**ODD, divergence="reverse_kl", temperature="float", bias=True,
+          hard_label_weight=0.1, seed=68),  # auto: grad-in-forward
+    # The forward KL's G in its kernel too (memory-saving): the CE at T = 1 (p1 = p_s),
+    # no CE at all.
+    DCase(**ODD, mode="memory_saving", temperature="one", teacher_bias=True,
+          hard_label_weight=0.3, seed=69),
+    DCase(**ODD, mode="memory_saving", temperature="tensor", softcap=2.5, reduction="sum",
+          seed=71),
+    DCase(**ODD, mode="auto", dtype=torch.float16, temperature="tensor", softcap=3.0,
+          bias=True, hard_label_weight=0.2, seed=72),  # fp16 auto: memory-saving
+]  # fmt: skip
+
+
+@pytest.fixture
+def distill_kernel_calls(monkeypatch):
+    """The calls of the two-head kernels' launchers: ``"stats:<divergence>"`` and
+    ``"grad"`` (the forward KL's G, once per backward)."""
+    from vocab_parallel.kernels import distill
+
+    calls = []
+    stats, grad = distill.distill_stats, distill.forward_kl_gradient
+
+    def counted_stats(*args, **kwargs):
+        calls.append(f"stats:{kwargs['divergence']}")
+        return stats(*args, **kwargs)
+
+    def counted_grad(*args, **kwargs):
+        calls.append("grad")
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "distill_stats", counted_stats)
+    monkeypatch.setattr(distill, "forward_kl_gradient", counted_grad)
+    return calls
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("case", FUSED, ids=str)
+def test_triton_fused_statistics(case, distill_kernel_calls):
+    assert check(case) == []
+    memory_saving = case.mode == "memory_saving" or case.dtype == torch.float16  # (auto)
+    fused_g = case.divergence == "forward_kl" and memory_saving
+    assert distill_kernel_calls == [f"stats:{case.divergence}"] + ["grad"] * fused_g
+
+
+def _problem_args(case: DCase) -> dict:
+    x, w, xt, wt, y, b, bt, temp, *_ = _problem(case)
+    return dict(
+        hidden=x, weight=w, teacher_hidden=xt, teacher_weight=wt, target=y, bias=b,
+        teacher_bias=bt, temperature=temp, divergence=case.divergence, softcap=case.softcap,
+        hard_label_weight=case.hard_label_weight, backend=case.backend,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl"])
+def test_triton_forward_makes_no_logits_chunk(divergence, monkeypatch, distill_kernel_calls):
+    """The Triton backend's forward pass of both modes without a kept chunk reads
+    neither head's logits through memory (``HeadLogits.chunk`` refuses to run in it);
+    memory-saving mode's backward recomputes them as before."""
+    from vocab_parallel.distill_stats import HeadLogits
+
+    case = DCase(**ODD, divergence=divergence, temperature="tensor", softcap=3.0,
+                 bias=True, teacher_bias=True, hard_label_weight=0.2, seed=70)  # fmt: skip
+    args = _problem_args(case)
+    x = args.pop("hidden")
+    chunk = HeadLogits.chunk
+
+    def refuse(self, v0, v1):
+        raise AssertionError("a logits chunk was made in the forward statistics")
+
+    ref = distillation_reference(
+        x.double(), args["weight"].double(), teacher_hidden=args["teacher_hidden"].double(),
+        teacher_weight=args["teacher_weight"].double(), target=args["target"],
+        divergence=divergence, temperature=args["temperature"],
+        hard_label_weight=case.hard_label_weight, bias=args["bias"].double(),
+        teacher_bias=args["teacher_bias"].double(), softcap=case.softcap,
+    )  # fmt: skip
+    for mode in ("memory_saving", "high_performance"):
+        h = x.clone().requires_grad_(True)
+        monkeypatch.setattr(HeadLogits, "chunk", refuse)
+        loss = vp.vocab_parallel_distillation_loss(h, **args, mode=mode)
+        monkeypatch.setattr(HeadLogits, "chunk", chunk)
+        assert _rel(loss, ref) <= LOSS_TOL, (mode, float(loss), float(ref))
+        loss.backward()  # memory-saving: recomputed; high-performance: kept by the kernel
+        assert h.grad is not None and bool(torch.isfinite(h.grad).all())
+    stats = [f"stats:{divergence}"]
+    grad = ["grad"] if divergence == "forward_kl" else []
+    assert distill_kernel_calls == stats + grad + stats  # (high-performance: G from kept)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+# The interpreter's numpy warns at v - u = -inf - (-inf) of a masked column (its e^ is 0,
+# the term is left out).
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_triton_kernel_statistics_equal_the_torch_path(divergence):
+    """The kernel's per-row statistics against the torch backend's walk
+    (``local_statistics``) on the same inputs: equal to fp32 rounding, with a masking
+    bias of ``-inf`` on both heads over the first 40 columns (the interpreter's first
+    32-column tile all ``-inf``) and the last 9 (no softcap: it would make them finite),
+    and the CE's sums; an empty shard gives
+    the starting maxima and zero sums."""
+    from vocab_parallel.distill_stats import Columns, HeadLogits, Spec, local_statistics
+    from vocab_parallel.kernels import distill
+
+    g = torch.Generator().manual_seed(80)
+    n, h, ht, v = 37, 48, 80, 389
+    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.6
+    xt, wt = torch.randn(n, ht, generator=g), torch.randn(v, ht, generator=g) * 0.8
+    b, bt = torch.randn(v, generator=g) * 0.3, torch.randn(v, generator=g) * 0.3
+    for bias in (b, bt):
+        bias[:40] = float("-inf")
+        bias[-9:] = float("-inf")
+    inv_t = torch.rand(n, generator=g) + 0.5
+    target = torch.randint(40, v - 9, (n,), generator=g)  # (unmasked columns: finite CE)
+    target[::3] = -1  # elsewhere
+    spec = Spec(divergence, hard_label_weight=0.2, has_target=True)
+    cols = Columns(target, None)
+    stats = {}
+    for backend in ("torch", "triton"):
+        heads = [HeadLogits(backend, a, c, d, None, torch.float32) for a, c, d in
+                 ((x, w, b), (xt, wt, bt))]  # fmt: skip
+        st = local_statistics(spec, *heads, inv_t, cols, v, n, torch.float32, x.device)
+        stats[backend] = [
+            st.student.m, st.student.s, *st.student.extra, st.teacher.m, st.teacher.s,
+            *st.teacher.extra, st.ce.m, st.ce.s, st.predicted,
+        ]  # fmt: skip
+    assert len(stats["torch"]) == len(stats["triton"]) == (7 if divergence == "jsd" else 8)
+    for ours, want in zip(stats["triton"], stats["torch"], strict=True):
+        assert bool(torch.isfinite(ours).all())
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    empty = distill.distill_stats(x, w[:0], None, xt, wt[:0], None, divergence=divergence,
+                                  ce_sums=True)  # fmt: skip
+    assert bool((empty.m_s == torch.finfo(torch.float32).min).all())
+    assert bool((empty.s_s == 0).all()) and bool((empty.predicted == 0).all())
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize(
+    ("dtype", "softcap", "ce"),
+    [(torch.float32, 3.0, "scaled"), (torch.float32, None, "none"), (BF16, 3.0, "one"),
+     (BF16, None, "scaled")],
+)  # fmt: skip
+def test_triton_forward_kl_gradient_equals_the_torch_chunk(dtype, softcap, ce):
+    """The forward KL's G kernel against ``gradient_chunk`` (torch) on the same reduced
+    terms, chunk by chunk (chunks of 100 of the 389 columns: the offset of each), in the
+    input dtype: fp32 to rounding, bf16 within one rounding of the fp32 value."""
+    from vocab_parallel.distill_stats import (
+        Columns,
+        HeadLogits,
+        Spec,
+        gradient_chunk,
+        local_statistics,
+        reduce_statistics,
+    )
+    from vocab_parallel.kernels import distill
+
+    g = torch.Generator().manual_seed(90)
+    n, h, ht, v = 37, 48, 80, 389
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) * 0.6).to(dtype)
+    xt = torch.randn(n, ht, generator=g).to(dtype)
+    wt = (torch.randn(v, ht, generator=g) * 0.8).to(dtype)
+    b = (torch.randn(v, generator=g) * 0.3).to(dtype)
+    inv_t = None if ce == "one" else torch.rand(n, generator=g) + 0.5
+    target = torch.randint(-1, v, (n,), generator=g)
+    spec = Spec("forward_kl", hard_label_weight=0.0 if ce == "none" else 0.3, has_target=True)
+    cols = Columns(target, None)
+    heads = [HeadLogits("triton", a, c, d, softcap, torch.float32)
+             for a, c, d in ((x, w, b), (xt, wt, None))]  # fmt: skip
+    stats = local_statistics(spec, *heads, inv_t, cols, v, n, torch.float32, x.device)
+    terms = reduce_statistics(spec, stats, None, None)
+    upstream = torch.randn(n, generator=g)
+    scale_d = upstream * 0.7
+    scale_ce = None if ce == "none" else upstream * 0.3
+    c_d = scale_d if inv_t is None else scale_d * inv_t
+    make_g = distill.forward_kl_gradient(
+        x, w, b, xt, wt, None, softcap=softcap, inv_temperature=inv_t, ls=terms.ls,
+        lt=terms.lt, c_d=c_d, c_ce=scale_ce, l1=terms.l1 if scale_ce is not None else None,
+        local_target=target if scale_ce is not None else None, chunk_columns=100,
+    )  # fmt: skip
+    for v0 in range(0, v, 100):
+        v1 = min(v, v0 + 100)
+        want = gradient_chunk(spec, terms, heads[0].chunk(v0, v1), heads[1].chunk(v0, v1),
+                              inv_t, scale_d, scale_ce, cols, v0, v1, softcap)  # fmt: skip
+        got = make_g(v0, v1, None, None)
+        assert got.dtype == dtype and got.shape == (n, v1 - v0)
+        scale = float(want.abs().max())
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * scale)
+        else:  # the same fp32 value up to rounding, then one rounding to bf16
+            torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-6 * scale)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("case", [FUSED[1], FUSED[4], FUSED[5]], ids=str)
+def test_triton_fused_statistics_bitwise_deterministic(case):
+    args = _problem_args(case)
+    x = args.pop("hidden")
+    results = []
+    for _ in range(2):
+        h = x.clone().requires_grad_(True)
+        w = args["weight"].clone().requires_grad_(True)
+        loss = vp.vocab_parallel_distillation_loss(h, **(args | dict(weight=w)), mode=case.mode)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    for first, second in zip(*results, strict=True):
+        assert torch.equal(first, second)
+
+
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", "topk"])
 def test_gradcheck_float64(divergence):
     g = torch.Generator().manual_seed(3)
@@ -456,6 +690,21 @@ def _multirank_cases(world: int) -> list[DCase]:
 def test_every_rank_matches_the_unsharded_reference(world):
     per_rank = run_ranks(_check_all, world, _multirank_cases(world))
     errors = [e for rank in per_rank for e in rank]
+    assert errors == [], "\n".join(errors[:10])
+
+
+def _fused_on_two_ranks(group):
+    errors = []
+    for case in (FUSED[0], FUSED[5], replace(FUSED[1], vocab=67)):  # shards 195/194, 34/33
+        errors += check(case, group)
+    return errors
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_two_ranks_triton_fused_statistics():
+    """The two-head kernel's statistics through the collectives: 2 gloo ranks with uneven
+    shards, each rank's loss and gradients against the unsharded reference."""
+    errors = [e for rank in run_ranks(_fused_on_two_ranks, 2) for e in rank]
     assert errors == [], "\n".join(errors[:10])
 
 

@@ -90,12 +90,14 @@ def test_every_kernel_variant_compiles_for_sm80_sm90_sm100(tmp_path):
             assert row["shared"] <= row["limit"], row
             assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
             assert row["registers"] < 255, row
-    # Both kernels, all three dtypes and every mode flag appear on each target.
+    # Every kernel, all three dtypes and every mode flag appear on each target.
     for arch_rows in by_arch.values():
         text = " ".join(r["variant"] for r in arch_rows)
-        for word in ("forward_stats", "logits_grad", "fp16", "bf16", "fp32"):
+        kernels = ("forward_stats", "logits_grad", "distill_stats", "forward_kl_grad")
+        for word in (*kernels, "fp16", "bf16", "fp32"):
             assert word in text, word
-        for flag in ("STORE_LOGITS", "LOGIT_SUM", "HAS_SOFTMAX", "DOT_FP32"):
+        for flag in ("STORE_LOGITS", "LOGIT_SUM", "HAS_SOFTMAX", "DOT_FP32", "FORWARD_KL",
+                     "REVERSE_KL", "CE_SUMS", "CE_SCALED"):  # fmt: skip
             assert flag in text, flag
 
 
@@ -109,7 +111,7 @@ def test_tile_tables_fit_every_target_and_query_no_device_at_import():
 
         torch.cuda.get_device_capability = boom
         torch.cuda.get_device_properties = boom
-        from vocab_parallel.kernels import backward, common, forward  # noqa: F401
+        from vocab_parallel.kernels import backward, common, distill, forward  # noqa: F401
 
         kernels = common.MATMUL_KERNELS + common.STREAM_KERNELS
         for capability in common.SMEM_LIMIT:

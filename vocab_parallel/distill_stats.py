@@ -17,7 +17,12 @@ a second time (:func:`jsd_sums`, one more SUM of two per-token sums). :func:`gra
 is ``d loss_i / d z_ij`` of one chunk (then ``G`` of the backends' two products,
 ``vocab_parallel.chunking``). The logits of a chunk come from :class:`HeadLogits`:
 recomputed by a backend (``"torch"``: a chunked fp32 GEMM; ``"triton"``: the forward
-statistics kernel writing them, ``kernels/forward.py``), or read from saved ones.
+statistics kernel writing them, ``kernels/forward.py``), or read from saved ones. On the
+Triton backend the dense teacher's first pass is one kernel instead
+(:func:`fused_statistics`, ``kernels/distill.py``): both heads' tiles and these sums in
+registers, no chunk of logits made (high-performance mode: written to the kept ones);
+and so is the dense forward KL's ``G`` from recomputed logits (:func:`fused_gradient`).
+The JSD's second pass, the top-k teacher and the other ``G`` stay on the chunks.
 Nothing here is larger than a few ``[rows, chunk]`` tensors.
 """
 
@@ -142,6 +147,13 @@ class _Online:
             self.extra[i] = self.extra[i] * decay + _weighted_sum(e, t)
         self.m = new
 
+    @classmethod
+    def of(cls, m: torch.Tensor, s: torch.Tensor, *extra: torch.Tensor) -> _Online:
+        """The running statistics as already made elsewhere (the Triton kernel's)."""
+        online = cls.__new__(cls)
+        online.m, online.s, online.extra = m, s, list(extra)
+        return online
+
     def rescaled(self, shift: torch.Tensor) -> list[torch.Tensor]:
         decay = torch.exp(self.m - shift)
         return [self.s * decay] + [t * decay for t in self.extra]
@@ -209,6 +221,8 @@ def local_statistics(
         at_ids = torch.zeros(cols.ids.shape, dtype=accum, device=device)
     if rows == 0 or v == 0:
         return LocalStats(stu, tea, ce, predicted, at_ids)
+    if fused_statistics(spec, student, teacher):
+        return _fused_statistics(spec, student, teacher, inv_t, cols)
     it = None if inv_t is None else inv_t[:, None]
     for v0 in range(0, v, chunk_columns(rows, v)):
         v1 = min(v, v0 + chunk_columns(rows, v))
@@ -236,6 +250,38 @@ def local_statistics(
             if ce is not None:
                 ce.add(z)
     return LocalStats(stu, tea, ce, predicted, at_ids)
+
+
+def fused_statistics(spec: Spec, student: HeadLogits, teacher: HeadLogits | None) -> bool:
+    """Whether :func:`local_statistics` runs in the Triton kernel of both heads
+    (``kernels/distill.py``): the Triton backend, a dense teacher of the student's dtype
+    (its tile products are of one type; fp32 statistics), logits recomputed or filled
+    (high-performance mode, grad-in-forward's chunks), not read from saved ones."""
+    if student.backend != "triton" or spec.sparse or teacher is None:
+        return False
+    if student.accum != torch.float32 or teacher.x.dtype != student.x.dtype:
+        return False
+    return all(h.saved is None or h.fill for h in (student, teacher))
+
+
+def _fused_statistics(spec, student, teacher, inv_t, cols) -> LocalStats:
+    """:func:`local_statistics` by the Triton kernel: both heads' tiles, the online sums
+    of ``spec``'s divergence and the CE's in registers (``vocab_parallel.kernels.distill``);
+    with ``fill``, both heads' capped logits written into their ``saved`` buffers."""
+    from vocab_parallel.kernels import distill
+
+    fill = student.saved is not None
+    r = distill.distill_stats(
+        student.x, student.weight, student.bias, teacher.x, teacher.weight, teacher.bias,
+        divergence=spec.divergence, softcap=student.softcap, inv_temperature=inv_t,
+        local_target=cols.target if spec.ce else None, ce_sums=spec.ce and inv_t is not None,
+        logits_out=(student.saved, teacher.saved) if fill else None,
+    )  # fmt: skip
+    div = spec.divergence
+    stu = _Online.of(r.m_s, r.s_s, *([r.a] if div == "reverse_kl" else []))
+    tea = _Online.of(r.m_t, r.s_t, *([r.a] if div == "forward_kl" else []))
+    ce = None if r.m_c is None else _Online.of(r.m_c, r.s_c)
+    return LocalStats(stu, tea, ce, r.predicted if spec.ce else None, None)
 
 
 class RowTerms(NamedTuple):
@@ -392,6 +438,28 @@ def gradient_chunk(
         p1.scatter_add_(1, idx[:, None], torch.where(here, -scale_ce, 0.0)[:, None])
         g.add_(p1)
     return _through_cap(g, z, softcap)
+
+
+def fused_gradient(spec, terms, student, teacher, inv_t, scale_d, scale_ce, cols, cv):
+    """``make_g`` of the dense forward KL's ``G`` by the Triton kernel
+    (``vocab_parallel.kernels.distill.forward_kl_gradient``: both heads' tiles
+    recomputed, :func:`gradient_chunk`'s formula in registers, ``G`` written in the input
+    dtype), or None where :func:`gradient_chunk` forms it: another divergence, the top-k
+    teacher, saved logits (high-performance mode reads them), or where
+    :func:`fused_statistics` does not apply."""
+    if spec.divergence != "forward_kl" or student.saved is not None:
+        return None
+    if not fused_statistics(spec, student, teacher):
+        return None
+    from vocab_parallel.kernels import distill
+
+    c_d = scale_d if inv_t is None else scale_d * inv_t
+    return distill.forward_kl_gradient(
+        student.x, student.weight, student.bias, teacher.x, teacher.weight, teacher.bias,
+        softcap=student.softcap, inv_temperature=inv_t, ls=terms.ls, lt=terms.lt, c_d=c_d,
+        c_ce=scale_ce, l1=terms.l1 if scale_ce is not None else None,
+        local_target=cols.target if scale_ce is not None else None, chunk_columns=cv,
+    )  # fmt: skip
 
 
 def _through_cap(g: torch.Tensor, z: torch.Tensor, softcap: float | None) -> torch.Tensor:

@@ -28,13 +28,17 @@ def test_readme_block_runs_as_pasted(index, tmp_path):
     script = tmp_path / f"block_{index}.py"
     script.write_text(code)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    logs = tmp_path / "logs"
     if "init_process_group" in code:
+        # Each rank's stdout to its own file: two ranks printing to one pipe can interleave
+        # within a line.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", "2", str(script)]
+        cmd += ["--nproc-per-node", "2", "--redirects", "1", "--log-dir", str(logs), str(script)]
     else:
         cmd = [sys.executable, str(script)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    printed = out.stdout + "".join(f.read_text() for f in sorted(logs.rglob("stdout.log")))
+    assert out.returncode == 0, printed[-3000:] + out.stderr[-3000:]
     if "unsharded" in code:  # the loss equals the unsharded loss on every rank
-        pairs = re.findall(r"loss (\S+), unsharded (\S+)", out.stdout)
+        pairs = re.findall(r"loss (\S+), unsharded (\S+)", printed)
         assert len(pairs) == 2 and all(abs(float(a) - float(b)) < 1e-5 for a, b in pairs)

@@ -180,11 +180,8 @@ def _distill_stats_kernel(
                 mask=row_ok[:, None] & col_ok[None, :],
             )
         pred += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
-        if CE_SUMS:
-            masked = tl.where(col_ok[None, :], z, float("-inf"))
-            new_c = tl.maximum(m_c, tl.max(masked, axis=1))
-            s_c = s_c * tl.exp(m_c - new_c) + tl.sum(tl.exp(masked - new_c[:, None]), axis=1)
-            m_c = new_c
+        if CE_SUMS:  # the untempered z's online max / sum-exp, as each head's below
+            m_c, _, _, s_c = _online(m_c, s_c, z, col_ok)
         u = z * inv_t[:, None]  # (finite in padding columns: there x @ 0 + 0)
         # The teacher's tile.
         v = logits_tile(

@@ -1,5 +1,5 @@
 """Triton kernels of distillation on one vocabulary shard (dense teacher): its forward
-statistics, and the forward KL's ``G``.
+statistics, the JSD's second pass, and the divergence's ``G``.
 
 For every row i, with the student's capped logits ``z = cap(x @ W.T + b)``, tempered
 ``u = z * inv_t``, and the teacher's ``v = cap(x_t @ W_t.T + b_t) * inv_t`` (``W_t`` the
@@ -17,16 +17,18 @@ exponential is 0 adds 0, also where ``v - u`` is infinite; the running maxima st
 the most negative finite fp32, so a tile of ``-inf`` rescales by 1, never NaN). Neither
 head's logits reach memory unless ``STORE_LOGITS`` (high-performance mode keeps both
 heads' capped, untempered logits for the backward). The JSD's first pass is the variant
-with neither KL term; its second pass (``log m`` needs both normalisers) and the top-k
-teacher stay on the torch epilogue over the forward-statistics kernel's logits
-(``vocab_parallel.distill_stats``).
+with neither KL term; its second pass needs both global normalisers (``log m`` is not a
+sum of per-shard terms), so it is a kernel of its own, ``_jsd_sums_kernel``: both tiles
+again, ``K_t = sum p_t (log p_t - log m)`` and ``K_s = sum p_s (log p_s - log m)``
+(:func:`jsd_sums`). The top-k teacher stays on the torch epilogue over the
+forward-statistics kernel's logits (``vocab_parallel.distill_stats``).
 
-The backward of the dense forward KL from recomputed logits (memory-saving mode) has its
-own kernel, ``_forward_kl_grad_kernel``: one ``G`` tile per program, both heads' tiles
-recomputed, ``G = c_d (p_s - p_t) + c_ce (p1 - onehot)`` times the cap's derivative in
-registers, written once in the input dtype for the shared chunk loop's two torch GEMMs
-(:func:`forward_kl_gradient`). The other divergences' ``G``, and ``G`` from kept logits,
-are the torch epilogue's.
+The backward from recomputed logits (memory-saving mode) has its own kernel,
+``_divergence_grad_kernel``: one ``G`` tile per program, both heads' tiles recomputed,
+``G = c_d dD/du + c_ce (p1 - onehot)`` times the cap's derivative in registers (``dD/du``
+of each divergence: :func:`divergence_gradient`), written once in the input dtype for the
+shared chunk loop's two torch GEMMs. ``G`` from kept logits and the top-k teacher's are
+the torch epilogue's.
 
 The vocabulary is cut into splits that run in parallel, as in ``kernels/forward.py``:
 each writes its fp32 partials ``[splits, BT]``, and the launcher merges them in split
@@ -36,12 +38,13 @@ Row and column indices are int64 (``vocab_parallel.kernels.common``).
 One bias flag serves both heads: a head without a bias reads a vector of zeros (adding
 0.0 leaves every logit as it was), and the inverse temperature is always read (ones for
 T = 1: ``z * 1.0 == z``), which keeps the variants that ``scripts/aot_compile.py``
-compiles to the 144 + 36 per target that ``launch_variants`` lists.
+compiles to the 144 + 12 + 108 per target that ``launch_variants`` lists.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from typing import NamedTuple
 
 import torch
@@ -221,7 +224,105 @@ def _distill_stats_kernel(
 
 
 @triton.jit
-def _forward_kl_grad_kernel(
+def _log_mixture(ls, lt, log_beta, log_1m_beta):
+    """``log m = log(beta p_t + (1 - beta) p_s)`` from both heads' log-probabilities (a
+    log-add-exp; NaN only where both are ``-inf``, where every caller masks it out)."""
+    a = lt + log_beta
+    b = ls + log_1m_beta
+    top = tl.maximum(a, b)
+    return top + tl.log(tl.exp(a - top) + tl.exp(b - top))
+
+
+@triton.jit
+def _jsd_sums_kernel(
+    # Pointers: the student head
+    x_ptr,  # [BT, H] student hidden
+    w_ptr,  # [V, H] student weight rows of this shard
+    b_ptr,  # [V] student bias, contiguous (read when HAS_BIAS; zeros if it has none)
+    # Pointers: the teacher head
+    xt_ptr,  # [BT, Ht] teacher hidden
+    wt_ptr,  # [V, Ht] teacher weight rows (the same vocabulary rows)
+    bt_ptr,  # [V] teacher bias, contiguous (read when HAS_BIAS; zeros if it has none)
+    # Pointers: per row (fp32)
+    invt_ptr,  # [BT] inverse temperature (ones for T = 1)
+    ls_ptr,  # [BT] the student's global log-normaliser L_s of u
+    lt_ptr,  # [BT] the teacher's L_t of v
+    # Pointers: outputs
+    kt_ptr,  # [S, BT] fp32 partial K_t = sum p_t (log p_t - log m) per split
+    ks_ptr,  # [S, BT] fp32 partial K_s = sum p_s (log p_s - log m) per split
+    # Sizes
+    BT,
+    H,
+    Ht,
+    V,
+    tiles_per_split,
+    # Strides
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_xtm,
+    stride_xtk,
+    stride_wtn,
+    stride_wtk,
+    # Scalars
+    softcap,  # c of cap(r) = c * tanh(r / c), both heads (only read when SOFTCAP)
+    log_beta,  # log beta of the mixture m = beta p_t + (1 - beta) p_s
+    log_1m_beta,  # log (1 - beta)
+    # Meta-parameters
+    HAS_BIAS: tl.constexpr,  # add each head's bias (zeros for a head without one)
+    SOFTCAP: tl.constexpr,  # cap both heads' logits
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The JSD's second pass over this split's tiles: both heads' tiles recomputed (the
+    statistics kernel's), ``p = e^(y - L)`` with the reduced normalisers, and the two
+    sums; a term whose probability is 0 adds 0 (also where ``log p - log m`` is NaN)."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < BT
+    inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=1.0)
+    l_s = tl.load(ls_ptr + rows, mask=row_ok, other=0.0)
+    l_t = tl.load(lt_ptr + rows, mask=row_ok, other=0.0)
+    k_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    k_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    inv_softcap = 1.0 / softcap
+    first_col = pid_s * tiles_per_split * BLOCK_N
+    for t in range(0, tiles_per_split):  # (past V: padding columns, masked below)
+        cols = first_col + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < V
+        z = logits_tile(
+            x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok,
+            H, stride_xm, stride_xk, stride_wn, stride_wk,
+            HAS_BIAS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        if SOFTCAP:
+            z = tanh(z * inv_softcap) * softcap
+        ls = z * inv_t[:, None] - l_s[:, None]
+        v = logits_tile(
+            xt_ptr, wt_ptr, bt_ptr, rows, cols, row_ok, col_ok,
+            Ht, stride_xtm, stride_xtk, stride_wtn, stride_wtk,
+            HAS_BIAS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        if SOFTCAP:
+            v = tanh(v * inv_softcap) * softcap
+        lt = v * inv_t[:, None] - l_t[:, None]
+        lm = _log_mixture(ls, lt, log_beta, log_1m_beta)
+        p_t = tl.exp(lt)
+        p_s = tl.exp(ls)
+        # Padding columns have finite logits (x @ 0 + 0): masked by col_ok.
+        k_t += tl.sum(tl.where(col_ok[None, :] & (p_t > 0.0), p_t * (lt - lm), 0.0), axis=1)
+        k_s += tl.sum(tl.where(col_ok[None, :] & (p_s > 0.0), p_s * (ls - lm), 0.0), axis=1)
+    out = pid_s * BT + rows
+    tl.store(kt_ptr + out, k_t, mask=row_ok)
+    tl.store(ks_ptr + out, k_s, mask=row_ok)
+
+
+@triton.jit
+def _divergence_grad_kernel(
     # Pointers: the student head
     x_ptr,  # [BT, H] student hidden
     w_ptr,  # [V, H] student weight rows of this shard
@@ -235,6 +336,7 @@ def _forward_kl_grad_kernel(
     ls_ptr,  # [BT] the student's global log-normaliser L_s of u
     lt_ptr,  # [BT] the teacher's L_t of v
     cd_ptr,  # [BT] c_d = upstream * (1 - a) / T (0 for ignored rows)
+    coef_ptr,  # [BT] the divergence's constant (REVERSE_KL: L_t - L_s - D; JSD: K_s)
     cce_ptr,  # [BT] c_ce = upstream * a (read when CE)
     l1_ptr,  # [BT] the CE's untempered log-normaliser of z (read when CE_SCALED)
     target_ptr,  # [BT] int64 local target column, -1 where not on this shard (when CE)
@@ -259,7 +361,12 @@ def _forward_kl_grad_kernel(
     stride_gn,
     # Scalars
     softcap,  # c of cap(r) = c * tanh(r / c), both heads (only read when SOFTCAP)
+    log_beta,  # JSD: log beta
+    log_1m_beta,  # JSD: log (1 - beta)
+    one_m_beta,  # JSD: 1 - beta
     # Meta-parameters
+    REVERSE_KL: tl.constexpr,  # dD/du = p_s (u - v + coef)
+    JSD: tl.constexpr,  # dD/du = (1 - beta) p_s (log p_s - log m - coef); neither: forward KL
     CE: tl.constexpr,  # the hard-label mix: + c_ce (p1 - onehot)
     CE_SCALED: tl.constexpr,  # p1 = e^(z - l1) (T != 1), else p1 = p_s (one coefficient)
     HAS_BIAS: tl.constexpr,  # add each head's bias (zeros for a head without one)
@@ -270,9 +377,10 @@ def _forward_kl_grad_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One tile of the dense forward KL's ``G = c_d (p_s - p_t) + c_ce (p1 - onehot)``,
-    times ``cap'(r) = 1 - (z / c)^2``, from both heads' recomputed tiles (the forward's
-    statistics already reduced: ``p_s = e^(u - L_s)``, ``p_t = e^(v - L_t)``)."""
+    """One tile of ``G = c_d dD/du + c_ce (p1 - onehot)``, times ``cap'(r) = 1 - (z /
+    c)^2``, from both heads' recomputed tiles (the forward's statistics already reduced:
+    ``p_s = e^(u - L_s)``, ``p_t = e^(v - L_t)``); ``dD/du`` of the forward KL is ``p_s -
+    p_t``, the others' are 0 where ``p_s`` is (never ``0 * inf``)."""
     # int64 rows and columns: rows * stride_gm passes 2^31 for a big chunk.
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -294,19 +402,12 @@ def _forward_kl_grad_kernel(
         z = tanh(z * inv_softcap) * softcap
     l_s = tl.load(ls_ptr + rows, mask=row_ok, other=0.0)
     c_d = tl.load(cd_ptr + rows, mask=row_ok, other=0.0)
-    p_s = tl.exp(z * inv_t[:, None] - l_s[:, None])
+    u = z * inv_t[:, None]
+    ls = u - l_s[:, None]  # log p_s
+    p_s = tl.exp(ls)
     if CE:
         c_ce = tl.load(cce_ptr + rows, mask=row_ok, other=0.0)
-        if CE_SCALED:  # the CE's own softmax of the untempered z
-            l_1 = tl.load(l1_ptr + rows, mask=row_ok, other=0.0)
-            g = c_ce[:, None] * tl.exp(z - l_1[:, None]) + c_d[:, None] * p_s
-        else:  # p1 = p_s: one coefficient
-            g = (c_d + c_ce)[:, None] * p_s
-        target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
-        g = g - tl.where(vcols[None, :] == target[:, None], c_ce[:, None], 0.0)
-    else:
-        g = c_d[:, None] * p_s
-    # The teacher's tile: - c_d p_t.
+    # The teacher's tile.
     v = logits_tile(
         xt_ptr, wt_ptr, bt_ptr, rows, vcols, row_ok, col_ok,
         Ht, stride_xtm, stride_xtk, stride_wtn, stride_wtk,
@@ -315,7 +416,27 @@ def _forward_kl_grad_kernel(
     if SOFTCAP:
         v = tanh(v * inv_softcap) * softcap
     l_t = tl.load(lt_ptr + rows, mask=row_ok, other=0.0)
-    g = g - c_d[:, None] * tl.exp(v * inv_t[:, None] - l_t[:, None])
+    v = v * inv_t[:, None]
+    lt = v - l_t[:, None]  # log p_t
+    if REVERSE_KL or JSD:
+        coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
+        if REVERSE_KL:
+            dd = (u - v) + coef[:, None]
+        else:
+            lm = _log_mixture(ls, lt, log_beta, log_1m_beta)
+            dd = one_m_beta * (ls - lm - coef[:, None])
+        g = c_d[:, None] * tl.where(p_s > 0.0, p_s * dd, 0.0)
+        if CE and not CE_SCALED:  # p1 = p_s
+            g = g + c_ce[:, None] * p_s
+    else:  # forward KL: c_s p_s - c_d p_t, c_s = c_d (+ c_ce where p1 = p_s)
+        c_s = c_d + c_ce if CE and not CE_SCALED else c_d
+        g = c_s[:, None] * p_s - c_d[:, None] * tl.exp(lt)
+    if CE:
+        if CE_SCALED:  # the CE's own softmax of the untempered z
+            l_1 = tl.load(l1_ptr + rows, mask=row_ok, other=0.0)
+            g = g + c_ce[:, None] * tl.exp(z - l_1[:, None])
+        target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+        g = g - tl.where(vcols[None, :] == target[:, None], c_ce[:, None], 0.0)
     if SOFTCAP:  # through the cap: dz/dr = 1 - (z / c)^2
         zc = z * inv_softcap
         g = g * (1.0 - zc * zc)
@@ -351,10 +472,18 @@ def _meta(
 
 
 def _grad_meta(
-    dtype: torch.dtype, ce: bool, ce_scaled: bool, has_bias: bool, softcap: bool, tile: TileConfig
+    dtype: torch.dtype,
+    divergence: str,
+    ce: bool,
+    ce_scaled: bool,
+    has_bias: bool,
+    softcap: bool,
+    tile: TileConfig,
 ) -> dict:
-    """Constexprs and launch options of one launch of the forward KL's ``G``."""
+    """Constexprs and launch options of one launch of the divergence's ``G``."""
     return dict(
+        REVERSE_KL=divergence == "reverse_kl",
+        JSD=divergence == "jsd",
         CE=ce,
         CE_SCALED=ce_scaled,
         HAS_BIAS=has_bias,
@@ -363,6 +492,11 @@ def _grad_meta(
         ROUND_BF16=interpreting() and dtype == torch.bfloat16,
         **tile.meta(),
     )
+
+
+def _jsd_meta(dtype: torch.dtype, has_bias: bool, softcap: bool, tile: TileConfig) -> dict:
+    """Constexprs and launch options of one launch of the JSD's second pass."""
+    return dict(HAS_BIAS=has_bias, SOFTCAP=softcap, DOT_FP32=dot_in_fp32(dtype), **tile.meta())
 
 
 def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
@@ -376,12 +510,18 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
             for tile in tile_configs("distill_stats", dtype, capability):
                 meta = _meta(dtype, divergence, ce_sums, has_bias, softcap, store, tile)
                 variants.append((_distill_stats_kernel, dtype, meta))
+    for has_bias, softcap in itertools.product(*[(False, True)] * 2):
+        for dtype in dtypes:
+            for tile in tile_configs("distill_stats", dtype, capability):
+                meta = _jsd_meta(dtype, has_bias, softcap, tile)
+                variants.append((_jsd_sums_kernel, dtype, meta))
     ce_kinds = ((False, False), (True, False), (True, True))  # none, at T = 1, at T != 1
-    for (ce, ce_scaled), has_bias, softcap in itertools.product(ce_kinds, *[(False, True)] * 2):
+    grad_flags = itertools.product(DIVERGENCES, ce_kinds, *[(False, True)] * 2)
+    for divergence, (ce, ce_scaled), has_bias, softcap in grad_flags:
         for dtype in dtypes:
             for tile in tile_configs("distill_grad", dtype, capability):
-                meta = _grad_meta(dtype, ce, ce_scaled, has_bias, softcap, tile)
-                variants.append((_forward_kl_grad_kernel, dtype, meta))
+                meta = _grad_meta(dtype, divergence, ce, ce_scaled, has_bias, softcap, tile)
+                variants.append((_divergence_grad_kernel, dtype, meta))
     return variants
 
 
@@ -435,19 +575,8 @@ def distill_stats(
     Both heads' tensors must have one dtype (the kernel's tile products are of one type).
     A shard without columns gives the starting maxima and zero sums.
     """
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence: expected one of {DIVERGENCES}, got {divergence!r}")
-    bt, h = x.shape
-    v, ht = weight.shape[0], teacher_x.shape[1]
-    if teacher_x.shape[0] != bt or teacher_weight.shape != (v, ht) or weight.shape[1] != h:
-        raise ValueError(
-            f"teacher: expected teacher_x [{bt}, Ht] and teacher_weight [{v}, Ht] beside x "
-            f"{tuple(x.shape)} and weight {tuple(weight.shape)}, got "
-            f"{tuple(teacher_x.shape)} and {tuple(teacher_weight.shape)}"
-        )
-    dtypes = {x.dtype, weight.dtype, teacher_x.dtype, teacher_weight.dtype}
-    if len(dtypes) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"x: expected one dtype of fp16, bf16 or fp32 for both heads, got {dtypes}")
+    _check_divergence(divergence)
+    bt, h, v, ht = _check_heads(x, weight, teacher_x, teacher_weight)
     f32 = dict(dtype=torch.float32, device=x.device)
     kl = divergence != "jsd"
     if logits_out is not None:
@@ -475,13 +604,7 @@ def distill_stats(
     p_ms, p_ss, p_mt, p_st, p_pred, *rest = part
     p_a = rest.pop(0) if kl else part[0]  # (stand-ins: never written)
     p_mc, p_sc = rest if ce_sums else (part[0], part[0])
-    has_bias = bias is not None or teacher_bias is not None
-
-    def bias_of(b, like):
-        return b.contiguous() if b is not None else torch.zeros(v, dtype=like, device=x.device)
-
-    b_s = bias_of(bias, x.dtype) if has_bias else x
-    b_t = bias_of(teacher_bias, teacher_x.dtype) if has_bias else x
+    has_bias, b_s, b_t = _biases(bias, teacher_bias, x, v)
     target = local_target
     if target is None:
         target = torch.full((bt,), -1, dtype=torch.int64, device=x.device)
@@ -514,7 +637,51 @@ def distill_stats(
     return DistillStats(m_s, s_s, m_t, s_t, a, m_c, s_c, p_pred.sum(dim=0))
 
 
-def forward_kl_gradient(
+def _check_divergence(divergence: str) -> None:
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence: expected one of {DIVERGENCES}, got {divergence!r}")
+
+
+def _check_heads(x, weight, teacher_x, teacher_weight) -> tuple[int, int, int, int]:
+    """``(BT, H, V, Ht)`` of two heads over the same rows and vocabulary rows, of one
+    dtype (the kernels' tile products are of one type)."""
+    bt, h = x.shape
+    v, ht = weight.shape[0], teacher_x.shape[1]
+    if teacher_x.shape[0] != bt or teacher_weight.shape != (v, ht) or weight.shape[1] != h:
+        raise ValueError(
+            f"teacher: expected teacher_x [{bt}, Ht] and teacher_weight [{v}, Ht] beside x "
+            f"{tuple(x.shape)} and weight {tuple(weight.shape)}, got "
+            f"{tuple(teacher_x.shape)} and {tuple(teacher_weight.shape)}"
+        )
+    dtypes = {x.dtype, weight.dtype, teacher_x.dtype, teacher_weight.dtype}
+    if len(dtypes) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x: expected one dtype of fp16, bf16 or fp32 for both heads, got {dtypes}")
+    return bt, h, v, ht
+
+
+def _biases(bias, teacher_bias, x, v: int):
+    """``(HAS_BIAS, student bias, teacher bias)`` of a launch: with either head's bias
+    both read one (zeros for the other); without, ``x`` stands in (never read)."""
+    if bias is None and teacher_bias is None:
+        return False, x, x
+
+    def of(b):
+        return b.contiguous() if b is not None else torch.zeros(v, dtype=x.dtype, device=x.device)
+
+    return True, of(bias), of(teacher_bias)
+
+
+def _row(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def _mixture_logs(beta: float) -> tuple[float, float]:
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"beta: expected 0 < beta < 1, got {beta!r}")
+    return math.log(beta), math.log1p(-beta)
+
+
+def jsd_sums(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -526,58 +693,97 @@ def forward_kl_gradient(
     inv_temperature: torch.Tensor | None,
     ls: torch.Tensor,
     lt: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The JSD's second pass on this shard, fp32 ``[BT]`` each: ``K_t = sum_j p_t (log
+    p_t - log m)`` and ``K_s = sum_j p_s (log p_s - log m)`` with ``m = beta p_t + (1 -
+    beta) p_s``, ``p_s = e^(u - ls)``, ``p_t = e^(v - lt)`` (the reduced normalisers),
+    both heads' tiles recomputed as :func:`distill_stats` makes them; the splits' partial
+    sums added in split order (deterministic)."""
+    bt, h, v, ht = _check_heads(x, weight, teacher_x, teacher_weight)
+    log_beta, log_1m_beta = _mixture_logs(beta)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    if bt == 0 or v == 0:
+        return torch.zeros(bt, **f32), torch.zeros(bt, **f32)
+    tile = tile_config("distill_stats", x.dtype, device_capability(x.device), bt)
+    n_tiles = triton.cdiv(v, tile.BLOCK_N)
+    n_row_blocks = triton.cdiv(bt, tile.BLOCK_M)
+    splits = num_splits(n_row_blocks, n_tiles, x.device)
+    tiles_per_split = triton.cdiv(n_tiles, splits)
+    splits = triton.cdiv(n_tiles, tiles_per_split)
+    part = torch.empty((2, splits, bt), **f32)
+    has_bias, b_s, b_t = _biases(bias, teacher_bias, x, v)
+    inv_t = full_vector(inv_temperature, bt, x.device)
+    _jsd_sums_kernel[(n_row_blocks, splits)](
+        x, weight, b_s, teacher_x, teacher_weight, b_t, inv_t, _row(ls), _row(lt),
+        part[0], part[1],
+        bt, h, ht, v, tiles_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        teacher_x.stride(0), teacher_x.stride(1), teacher_weight.stride(0),
+        teacher_weight.stride(1),
+        1.0 if softcap is None else float(softcap), log_beta, log_1m_beta,
+        **_jsd_meta(x.dtype, has_bias, softcap is not None, tile),
+    )  # fmt: skip
+    k_t, k_s = part.sum(dim=1)
+    return k_t, k_s
+
+
+def divergence_gradient(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    teacher_x: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    teacher_bias: torch.Tensor | None,
+    *,
+    divergence: str,
+    softcap: float | None,
+    inv_temperature: torch.Tensor | None,
+    ls: torch.Tensor,
+    lt: torch.Tensor,
     c_d: torch.Tensor,
+    coef: torch.Tensor | None = None,
+    beta: float = 0.5,
     c_ce: torch.Tensor | None = None,
     l1: torch.Tensor | None = None,
     local_target: torch.Tensor | None = None,
     chunk_columns: int,
 ):
     """``make_g(v0, v1, x_op, w_op)`` of ``vocab_parallel.chunking.gradient_products``:
-    the dense forward KL's ``G[:, v0:v1]`` in the input dtype, from both heads' tiles
+    the dense divergence's ``G[:, v0:v1]`` in the input dtype, from both heads' tiles
     recomputed in registers (:func:`distill_stats`' heads and cap; the reduced
     normalisers ``ls``, ``lt`` fp32 ``[BT]``):
 
-        G = c_d (p_s - p_t) + c_ce (p1 - onehot(target)),  times 1 - (z / c)^2
+        G = c_d dD/du + c_ce (p1 - onehot(target)),  times 1 - (z / c)^2
+        dD/du = p_s - p_t                                   forward KL
+              = p_s (u - v + coef)                          reverse KL (coef = lt - ls - D)
+              = (1 - beta) p_s (log p_s - log m - coef)     JSD (coef = K_s)
 
     ``c_d``: per row the upstream gradient times ``(1 - a) / T``; ``c_ce`` (None: no CE)
     the upstream times ``a``, with ``local_target`` (int64, -1 elsewhere) and ``l1`` (the
     untempered log-normaliser when ``T != 1``; None: ``p1 = p_s``). One ``[BT,
     chunk_columns]`` buffer holds each chunk in turn (the chunk loop consumes it first).
     """
-    bt, h = x.shape
-    v, ht = weight.shape[0], teacher_x.shape[1]
-    dtypes = {x.dtype, weight.dtype, teacher_x.dtype, teacher_weight.dtype}
-    if len(dtypes) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"x: expected one dtype of fp16, bf16 or fp32 for both heads, got {dtypes}")
-    if teacher_x.shape[0] != bt or teacher_weight.shape != (v, ht) or weight.shape[1] != h:
-        raise ValueError(
-            f"teacher: expected teacher_x [{bt}, Ht] and teacher_weight [{v}, Ht] beside x "
-            f"{tuple(x.shape)} and weight {tuple(weight.shape)}, got "
-            f"{tuple(teacher_x.shape)} and {tuple(teacher_weight.shape)}"
-        )
+    _check_divergence(divergence)
+    bt, h, v, ht = _check_heads(x, weight, teacher_x, teacher_weight)
     ce, ce_scaled = c_ce is not None, l1 is not None
     if ce_scaled and not ce:
         raise ValueError("l1: the CE's normaliser without its coefficient c_ce")
-    capability = device_capability(x.device)
-    tile = tile_config("distill_grad", x.dtype, capability, bt)
-    has_bias = bias is not None or teacher_bias is not None
-
-    def bias_of(b, like):
-        return b.contiguous() if b is not None else torch.zeros(v, dtype=like, device=x.device)
-
-    b_s = bias_of(bias, x.dtype) if has_bias else x
-    b_t = bias_of(teacher_bias, teacher_x.dtype) if has_bias else x
-
-    def row(t):
-        return t.to(torch.float32).contiguous()
-
+    if (coef is None) != (divergence == "forward_kl"):
+        given = "None" if coef is None else "a tensor"
+        raise ValueError(f"coef: the reverse KL's and the JSD's constant, got {given} for "
+                         f"{divergence!r}")  # fmt: skip
+    log_beta, log_1m_beta = _mixture_logs(beta) if divergence == "jsd" else (0.0, 0.0)
+    tile = tile_config("distill_grad", x.dtype, device_capability(x.device), bt)
+    has_bias, b_s, b_t = _biases(bias, teacher_bias, x, v)
     inv_t = full_vector(inv_temperature, bt, x.device)
-    ls, lt, c_d = row(ls), row(lt), row(c_d)
+    ls, lt, c_d = _row(ls), _row(lt), _row(c_d)
     dummy = ls  # stands in for the vectors a variant does not read
-    c_ce = row(c_ce) if ce else dummy
-    l1 = row(l1) if ce_scaled else dummy
+    coef = dummy if coef is None else _row(coef)
+    c_ce = _row(c_ce) if ce else dummy
+    l1 = _row(l1) if ce_scaled else dummy
     target = local_target.contiguous() if ce else dummy
-    meta = _grad_meta(x.dtype, ce, ce_scaled, has_bias, softcap is not None, tile)
+    meta = _grad_meta(x.dtype, divergence, ce, ce_scaled, has_bias, softcap is not None, tile)
     cap = 1.0 if softcap is None else float(softcap)
     g_buf = None
 
@@ -593,14 +799,14 @@ def forward_kl_gradient(
         if bt == 0 or n == 0:
             return g
         grid = (triton.cdiv(bt, tile.BLOCK_M), triton.cdiv(n, tile.BLOCK_N))
-        _forward_kl_grad_kernel[grid](
+        _divergence_grad_kernel[grid](
             x, weight, b_s, teacher_x, teacher_weight, b_t,
-            inv_t, ls, lt, c_d, c_ce, l1, target, g,
+            inv_t, ls, lt, c_d, coef, c_ce, l1, target, g,
             bt, h, ht, v0, n,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
             teacher_x.stride(0), teacher_x.stride(1), teacher_weight.stride(0),
             teacher_weight.stride(1), g.stride(0), g.stride(1),
-            cap,
+            cap, log_beta, log_1m_beta, 1.0 - beta,
             **meta,
         )  # fmt: skip
         return g

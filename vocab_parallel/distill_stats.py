@@ -21,8 +21,9 @@ statistics kernel writing them, ``kernels/forward.py``), or read from saved ones
 Triton backend the dense teacher's first pass is one kernel instead
 (:func:`fused_statistics`, ``kernels/distill.py``): both heads' tiles and these sums in
 registers, no chunk of logits made (high-performance mode: written to the kept ones);
-and so is the dense forward KL's ``G`` from recomputed logits (:func:`fused_gradient`).
-The JSD's second pass, the top-k teacher and the other ``G`` stay on the chunks.
+and so are, from recomputed logits, the JSD's second pass (:func:`jsd_sums`) and the
+dense teacher's ``G`` (:func:`fused_gradient`). The top-k teacher, and ``G`` from kept
+logits, stay on the chunks.
 Nothing here is larger than a few ``[rows, chunk]`` tensors.
 """
 
@@ -366,11 +367,21 @@ def jsd_sums(
 ) -> RowTerms:
     """The JSD's second pass: ``K_t = sum p_t log(p_t / m)`` and ``K_s = sum p_s log(p_s /
     m)``, ``m = beta p_t + (1 - beta) p_s``, one SUM all-reduce of both; ``d = beta K_t +
-    (1 - beta) K_s``, ``coef = K_s``."""
+    (1 - beta) K_s``, ``coef = K_s``. Where :func:`fused_statistics` applies and the
+    logits are recomputed (memory-saving mode), both sums are one Triton kernel
+    (``vocab_parallel.kernels.distill.jsd_sums``), no chunk of logits made."""
     k = torch.zeros((2, rows), dtype=terms.ls.dtype, device=terms.ls.device)
     it = None if inv_t is None else inv_t[:, None]
     lb, l1b = math.log(spec.beta), math.log1p(-spec.beta)
-    if rows and v:
+    if rows and v and fused_statistics(spec, student, teacher) and student.saved is None:
+        from vocab_parallel.kernels import distill
+
+        k[0], k[1] = distill.jsd_sums(
+            student.x, student.weight, student.bias, teacher.x, teacher.weight, teacher.bias,
+            softcap=student.softcap, inv_temperature=inv_t, ls=terms.ls, lt=terms.lt,
+            beta=spec.beta,
+        )  # fmt: skip
+    elif rows and v:
         cv = chunk_columns(rows, v)
         for v0 in range(0, v, cv):
             v1 = min(v, v0 + cv)
@@ -441,23 +452,22 @@ def gradient_chunk(
 
 
 def fused_gradient(spec, terms, student, teacher, inv_t, scale_d, scale_ce, cols, cv):
-    """``make_g`` of the dense forward KL's ``G`` by the Triton kernel
-    (``vocab_parallel.kernels.distill.forward_kl_gradient``: both heads' tiles
+    """``make_g`` of a dense teacher's ``G`` by the Triton kernel
+    (``vocab_parallel.kernels.distill.divergence_gradient``: both heads' tiles
     recomputed, :func:`gradient_chunk`'s formula in registers, ``G`` written in the input
-    dtype), or None where :func:`gradient_chunk` forms it: another divergence, the top-k
-    teacher, saved logits (high-performance mode reads them), or where
-    :func:`fused_statistics` does not apply."""
-    if spec.divergence != "forward_kl" or student.saved is not None:
-        return None
-    if not fused_statistics(spec, student, teacher):
+    dtype), or None where :func:`gradient_chunk` forms it: the top-k teacher, saved
+    logits (high-performance mode reads them), or where :func:`fused_statistics` does not
+    apply."""
+    if student.saved is not None or not fused_statistics(spec, student, teacher):
         return None
     from vocab_parallel.kernels import distill
 
     c_d = scale_d if inv_t is None else scale_d * inv_t
-    return distill.forward_kl_gradient(
+    return distill.divergence_gradient(
         student.x, student.weight, student.bias, teacher.x, teacher.weight, teacher.bias,
-        softcap=student.softcap, inv_temperature=inv_t, ls=terms.ls, lt=terms.lt, c_d=c_d,
-        c_ce=scale_ce, l1=terms.l1 if scale_ce is not None else None,
+        divergence=spec.divergence, softcap=student.softcap, inv_temperature=inv_t,
+        ls=terms.ls, lt=terms.lt, c_d=c_d, coef=terms.coef, beta=spec.beta, c_ce=scale_ce,
+        l1=terms.l1 if scale_ce is not None else None,
         local_target=cols.target if scale_ce is not None else None, chunk_columns=cv,
     )  # fmt: skip
 

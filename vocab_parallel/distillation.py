@@ -463,7 +463,7 @@ def _products(call, spec, hidden, weight, bias, student, tea, terms, cols, inv_t
     cv = chunk_columns(hidden.shape[0], weight.shape[0])
     if kept is not None:
         make_g, cv = kept.gradient(terms, scale_d, scale_ce, cols), kept.cv
-    else:  # the Triton kernel of the forward KL's G, where it applies
+    else:  # the Triton kernel of a dense teacher's G, where it applies
         fused = fused_gradient(spec, terms, student, tea, inv_t, scale_d, scale_ce, cols, cv)
         make_g = make_g if fused is None else fused
     bias_dtype = hidden.dtype if bias is None else bias.dtype

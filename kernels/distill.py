@@ -592,13 +592,7 @@ def distill_stats(
         ce = (start, zeros) if ce_sums else (None, None)
         return DistillStats(start, zeros, start.clone(), zeros, zeros if kl else None, *ce,
                             zeros)  # fmt: skip
-    capability = device_capability(x.device)
-    tile = tile_config("distill_stats", x.dtype, capability, bt)
-    n_tiles = triton.cdiv(v, tile.BLOCK_N)
-    n_row_blocks = triton.cdiv(bt, tile.BLOCK_M)
-    splits = num_splits(n_row_blocks, n_tiles, x.device)
-    tiles_per_split = triton.cdiv(n_tiles, splits)
-    splits = triton.cdiv(n_tiles, tiles_per_split)
+    tile, n_row_blocks, splits, tiles_per_split = _split_grid(x, bt, v)
     n_parts = 5 + int(kl) + 2 * int(ce_sums)
     part = torch.empty((n_parts, splits, bt), **f32)
     p_ms, p_ss, p_mt, p_st, p_pred, *rest = part
@@ -671,6 +665,18 @@ def _biases(bias, teacher_bias, x, v: int):
     return True, of(bias), of(teacher_bias)
 
 
+def _split_grid(x: torch.Tensor, bt: int, v: int) -> tuple[TileConfig, int, int, int]:
+    """``(tile, row blocks, splits, tiles per split)`` of a launch that walks the shard's
+    vocabulary in splits (the statistics and the JSD's second pass: the same tiles), no
+    split empty."""
+    tile = tile_config("distill_stats", x.dtype, device_capability(x.device), bt)
+    n_tiles = triton.cdiv(v, tile.BLOCK_N)
+    n_row_blocks = triton.cdiv(bt, tile.BLOCK_M)
+    splits = num_splits(n_row_blocks, n_tiles, x.device)
+    tiles_per_split = triton.cdiv(n_tiles, splits)
+    return tile, n_row_blocks, triton.cdiv(n_tiles, tiles_per_split), tiles_per_split
+
+
 def _row(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
@@ -705,12 +711,7 @@ def jsd_sums(
     f32 = dict(dtype=torch.float32, device=x.device)
     if bt == 0 or v == 0:
         return torch.zeros(bt, **f32), torch.zeros(bt, **f32)
-    tile = tile_config("distill_stats", x.dtype, device_capability(x.device), bt)
-    n_tiles = triton.cdiv(v, tile.BLOCK_N)
-    n_row_blocks = triton.cdiv(bt, tile.BLOCK_M)
-    splits = num_splits(n_row_blocks, n_tiles, x.device)
-    tiles_per_split = triton.cdiv(n_tiles, splits)
-    splits = triton.cdiv(n_tiles, tiles_per_split)
+    tile, n_row_blocks, splits, tiles_per_split = _split_grid(x, bt, v)
     part = torch.empty((2, splits, bt), **f32)
     has_bias, b_s, b_t = _biases(bias, teacher_bias, x, v)
     inv_t = full_vector(inv_temperature, bt, x.device)

@@ -265,6 +265,13 @@ def fused_statistics(spec: Spec, student: HeadLogits, teacher: HeadLogits | None
     return all(h.saved is None or h.fill for h in (student, teacher))
 
 
+def recomputed_in_kernels(spec: Spec, student: HeadLogits, teacher: HeadLogits | None) -> bool:
+    """Whether the passes after the statistics (the JSD's second, ``G``) recompute both
+    heads' tiles in the Triton kernels: :func:`fused_statistics` applies and no logits are
+    kept (memory-saving mode; kept ones are read in torch instead)."""
+    return student.saved is None and fused_statistics(spec, student, teacher)
+
+
 def _fused_statistics(spec, student, teacher, inv_t, cols) -> LocalStats:
     """:func:`local_statistics` by the Triton kernel: both heads' tiles, the online sums
     of ``spec``'s divergence and the CE's in registers (``vocab_parallel.kernels.distill``);
@@ -373,7 +380,7 @@ def jsd_sums(
     k = torch.zeros((2, rows), dtype=terms.ls.dtype, device=terms.ls.device)
     it = None if inv_t is None else inv_t[:, None]
     lb, l1b = math.log(spec.beta), math.log1p(-spec.beta)
-    if rows and v and fused_statistics(spec, student, teacher) and student.saved is None:
+    if rows and v and recomputed_in_kernels(spec, student, teacher):
         from vocab_parallel.kernels import distill
 
         k[0], k[1] = distill.jsd_sums(
@@ -458,7 +465,7 @@ def fused_gradient(spec, terms, student, teacher, inv_t, scale_d, scale_ce, cols
     dtype), or None where :func:`gradient_chunk` forms it: the top-k teacher, saved
     logits (high-performance mode reads them), or where :func:`fused_statistics` does not
     apply."""
-    if student.saved is not None or not fused_statistics(spec, student, teacher):
+    if not recomputed_in_kernels(spec, student, teacher):
         return None
     from vocab_parallel.kernels import distill
 

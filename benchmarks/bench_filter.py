@@ -153,7 +153,7 @@ def make_loss(case: dict, y, bounds, group, device):
         if impl in FILTERED:
             if filter_api() is None:
                 raise RuntimeError("this vocab_parallel has no filter_eps (issue 24 not merged)")
-            options |= dict(filter_eps="auto", filter_grads=case["filter_grads"])
+            options |= dict(filter_eps=case["filter_eps"], filter_grads=case["filter_grads"])
         return lambda x, w: vocab_parallel_linear_cross_entropy(x, w, y, **options)
     if impl in ("cce_tc", "cce_filtered"):
         from cut_cross_entropy import linear_cross_entropy
@@ -241,9 +241,14 @@ def summarise(res: dict) -> dict:
         tiles = sum(r["tiles"] for r in ranks)
         out["skipped_fraction"] = sum(r["skipped"] for r in ranks) / tiles if tiles else 0.0
     if "err_gx" in ranks[0]:
-        out["grad_err"] = max(max(r["err_gx"], r["err_gw"]) for r in ranks)
+        out["err_gx"] = max(r["err_gx"] for r in ranks)
+        out["err_gw"] = max(r["err_gw"] for r in ranks)
         out["ref_loss"] = ranks[0]["ref_loss"]
     return out
+
+
+def _eps(text: str) -> float | str:
+    return text if text == "auto" else float(text)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -260,6 +265,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS))
     p.add_argument("--mode", default="auto", help="our loss's mode (default auto)")
     p.add_argument("--filter-grads", default="both", choices=("both", "weight", "input"))
+    p.add_argument("--filter-eps", default="auto", type=_eps,
+                   help='the filtered rows\' filter_eps ("auto": eps(dtype) / 32)')  # fmt: skip
     p.add_argument("--no-grad-check", dest="grad_check", action="store_false",
                    help="skip the float64 reference of our rows (saves its time)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per process group")
@@ -298,13 +305,13 @@ def skip_reason(impl: str) -> str | None:
 
 def table(rows: list[dict]) -> str:
     head = ["workload", "V", "dtype", "ranks", "implementation", "best ms", "/ exact"]
-    head += ["peak extra MiB", "skipped tiles", "grad err", "loss", "status"]
+    head += ["peak extra MiB", "skipped tiles", "err hidden", "err W", "loss", "status"]
     exact = {r["key"]: r["time_s"] for r in rows if r["impl"] == "ours_exact" and "time_s" in r}
     body = []
     for r in rows:
         cells = [r["workload"], str(r["v"]), r["dtype"], str(r["world"]), IMPLS[r["impl"]][0]]
         if r["status"] != "ok":
-            body.append(cells + [""] * 6 + [r["status"]])
+            body.append(cells + [""] * 7 + [r["status"]])
             continue
         base = exact.get(r["key"])
         skipped = r.get("skipped_fraction")
@@ -313,7 +320,8 @@ def table(rows: list[dict]) -> str:
             f"{r['time_s'] / base:.2f}" if base else "-",
             f"{r['peak_bytes'] / harness.MIB:.0f}",
             "-" if skipped is None else f"{skipped:.1%}",
-            f"{r['grad_err']:.1e}" if "grad_err" in r else "-",
+            f"{r['err_gx']:.1e}" if "err_gx" in r else "-",
+            f"{r['err_gw']:.1e}" if "err_gw" in r else "-",
             f"{r['loss']:.5f}" + (" MISMATCH" if r.get("mismatch") else ""),
             "ok",
         ]
@@ -332,8 +340,8 @@ def main(argv=None) -> int:
     print(f"# bench_filter: cpu ({where}), torch {torch.__version__}, python {sys.executable}")
     h = train_options.get("d_model", trained_workload.DEFAULTS["d_model"])
     print(f"# BT={args.bt}, H={h}, V={args.vocabs}, workloads {args.workloads}; fastest of "
-          f"{args.repeats} fwd+bwd calls after a warm-up; mode {args.mode}, filter_grads "
-          f"{args.filter_grads}")  # fmt: skip
+          f"{args.repeats} fwd+bwd calls after a warm-up; mode {args.mode}, filter_eps "
+          f"{args.filter_eps!r}, filter_grads {args.filter_grads}")  # fmt: skip
     if filter_api() is None:
         print("# note: this vocab_parallel has no filter_eps yet (issue 24): filtered rows fail")
     for v in args.vocabs:  # train and cache the workloads first (the children only load)
@@ -344,7 +352,8 @@ def main(argv=None) -> int:
             sys.exit(f"bench_filter: --bt {args.bt} > the workload's {len(w['target'])} tokens")
     load_before = harness.print_load_before()
     base = {"bt": args.bt, "seed": args.seed, "repeats": args.repeats, "mode": args.mode}
-    base |= {"filter_grads": args.filter_grads, "grad_check": args.grad_check}
+    base |= {"filter_grads": args.filter_grads, "filter_eps": args.filter_eps}
+    base |= {"grad_check": args.grad_check}
     base |= {"ds_chunk": args.ds_chunk, "coll_timeout": max(60, int(args.timeout))}
     base |= {"cache_dir": args.cache_dir, "train_options": train_options, "device": "cpu"}
     env = {"DS_ACCELERATOR": "cpu"}
@@ -408,9 +417,10 @@ def legend(args, rows: list[dict]) -> str:
         "of the slowest rank per call); / exact: against ours exact at the same workload, V, "
         f"dtype and ranks; peak extra MiB: {method} of one call, largest rank, gradients "
         "included; skipped tiles: of the timed calls, all ranks (gradient_filter_stats); "
-        "grad err: max |grad - float64 reference| / max |reference|, the worse of hidden's "
-        f"and weight's. CCE's torch_compile impl takes no filter_eps (only impl=\"cce\", its "
-        f"Triton kernels, filters). DeepSpeed chunk_size={args.ds_chunk}."
+        "err hidden / err W: max |grad - float64 reference| / max |reference| of hidden's "
+        "and of weight's gradient (W: the worst rank's shard). CCE's torch_compile impl takes "
+        'no filter_eps (only impl="cce", its Triton kernels, filters). DeepSpeed '
+        f"chunk_size={args.ds_chunk}."
     )
 
 
@@ -427,9 +437,13 @@ def target_lines(rows: list[dict]):
         yield (
             f"{'PASS' if ratio <= 0.7 else 'FAIL'}: {r['impl']} {ratio:.2f}x exact (<= 0.7), "
             f"V={r['v']} {r['dtype']} {r['world']} rank(s), {r['skipped_fraction']:.1%} tiles "
-            f"skipped, grad err {r.get('grad_err', float('nan')):.1e} (exact "
-            f"{e.get('grad_err', float('nan')):.1e})"
+            f"skipped, err hidden / W {_errs(r)} (exact {_errs(e)})"
         )
+
+
+def _errs(r: dict) -> str:
+    nan = float("nan")
+    return f"{r.get('err_gx', nan):.1e} / {r.get('err_gw', nan):.1e}"
 
 
 if __name__ == "__main__":

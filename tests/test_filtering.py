@@ -18,7 +18,7 @@ from helpers import HAS_TRITON
 from multirank import run_ranks
 
 import vocab_parallel as vp
-from vocab_parallel.filtering import TILE_COLS, TILE_ROWS, resolve_eps
+from vocab_parallel.filtering import DENSE_ABOVE, TILE_COLS, TILE_ROWS, resolve_eps
 from vocab_parallel.layout import shard_bounds
 
 BT, H, V = 389, 48, 700
@@ -32,7 +32,9 @@ BACKENDS = ["torch"] + ([pytest.param("triton", marks=pytest.mark.slow)] if HAS_
 def clean_problem(dtype, seed=0, reduction="mean"):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(BT, H, generator=gen).to(dtype)
-    w = (torch.randn(V, H, generator=gen) * 0.3).to(dtype)
+    # Live logits spread by 0.1 |x|: each live column's largest entry per row block (even
+    # the last block's 5 rows) stays over 4x bf16's threshold.
+    w = (torch.randn(V, H, generator=gen) * 0.1).to(dtype)
     bias = torch.full((V,), -60.0)
     for lo, hi in LIVE:
         bias[lo:hi] = 0.0
@@ -72,7 +74,9 @@ def expected_mask(G, g, eps, lo, hi):
             block = ratio[a * TILE_ROWS : (a + 1) * TILE_ROWS, b * TILE_COLS : (b + 1) * TILE_COLS]
             tmax[a, b] = block.max()
     assert ((tmax > 4) | (tmax < 0.25)).all(), "problem not clean: a tile near the threshold"
-    return tmax >= 1
+    kept = tmax >= 1
+    kept[kept.sum(1) >= DENSE_ABOVE * n_cb] = True  # mostly kept row blocks run whole
+    return kept
 
 
 def masked(G, mask, lo, hi):
@@ -116,7 +120,9 @@ def test_left_out_tiles_are_exactly_the_negligible_ones(backend, dtype, mode, re
     stats = vp.gradient_filter_stats(reset=True)
     assert stats.tiles == mask.numel() and stats.skipped_input == int((~mask).sum())
     assert stats.skipped_weight == stats.skipped_input
-    assert stats.skipped_fraction == pytest.approx(15 / 24)  # 3 dead blocks + 1 ignored
+    # Kept: the live columns of the three row blocks that hold targets (one of 5 rows).
+    live = sum(hi - lo for lo, hi in LIVE)
+    assert stats.skipped_fraction == pytest.approx(1 - 3 * live / (4 * V))
     Gm = masked(G, mask, 0, V)
     _close(gi, Gm @ w.double(), dtype, "grad_input")
     _close(gw, Gm.T @ x.double(), dtype, "grad_weight")
@@ -285,3 +291,112 @@ def test_ranks_that_disagree_on_filter_eps_fail_alike():
     messages = run_ranks(_disagree, 2)
     assert all(m is not None and m.startswith("filter_eps:") for m in messages), messages
     assert messages[0] == messages[1]
+
+
+# ---------------------------------------------------------------- the chunk loop itself
+
+
+def _structured_g(bt, v, dtype, seed):
+    """A ``G`` (values the input dtype holds) whose columns are negligible or not per row
+    block in a pattern set by hand: row block 0 keeps every 3rd column, block 1 keeps 80%
+    of them (above DENSE_ABOVE: runs whole), block 2 none, block 3 (partial) random."""
+    gen = torch.Generator().manual_seed(seed)
+    small = torch.rand(bt, v, generator=gen) * 1e-6  # all below eps = 1e-4
+    big = (torch.rand(bt, v, generator=gen) + 0.5) * torch.randn(bt, v, generator=gen).sign()
+    keep = torch.zeros(bt, v, dtype=torch.bool)
+    keep[0:128, ::3] = True
+    keep[128:256, torch.randperm(v, generator=gen)[: int(0.8 * v) + 1]] = True
+    keep[384:] = torch.rand(bt - 384, v, generator=gen) < 0.3
+    # One entry per kept (row block, column) tile is large: the tile is kept.
+    tile_keep = torch.zeros(bt, v, dtype=torch.bool)
+    for b in range(0, bt, TILE_ROWS):
+        rows = keep[b : b + TILE_ROWS].any(0)
+        tile_keep[b, rows] = True
+    g = torch.where(tile_keep, big, small)
+    return g.to(dtype).float(), tile_keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("which", ["both", "weight", "input"])
+@pytest.mark.parametrize("acc", ["write", "fp32_acc", "dtype_acc"])
+def test_chunk_loop_leaves_out_exactly_the_negligible_columns(dtype, which, acc):
+    """``gradient_products`` over three chunks (the last one narrower) with a filter, the
+    gradients written or added to the caller's accumulators, against float64 products of
+    ``G`` with the expected tiles zeroed: per chunk, per row block, the columns with an
+    entry at or above eps, and every column of a row block that keeps >= 3/4 of them."""
+    from vocab_parallel.chunking import gradient_products
+    from vocab_parallel.filtering import GradientFilter
+    from vocab_parallel.interface import Outputs
+
+    bt, v, h, cv, eps = 389, 700, 37, 256, 1e-4
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(bt, h, generator=gen).to(dtype)
+    w = torch.randn(v, h, generator=gen).to(dtype)
+    g, _ = _structured_g(bt, v, dtype, seed=12)
+    row_grad = torch.rand(bt, generator=gen) + 0.5  # G's rows are per unit of it: 1e-6 * 1.5
+    row_grad[300] = 0.0  # a row of zero upstream gradient: never keeps anything
+    g[300] = 0.0
+    expected = torch.zeros(bt, v, dtype=torch.bool)
+    for v0 in range(0, v, cv):
+        v1 = min(v, v0 + cv)
+        for b in range(0, bt, TILE_ROWS):
+            ratio = g[b : b + TILE_ROWS, v0:v1].abs() / (eps * row_grad[b : b + TILE_ROWS, None])
+            cols = torch.nan_to_num(ratio, nan=0.0).amax(0) >= 1
+            if cols.sum() >= DENSE_ABOVE * (v1 - v0):
+                cols[:] = True
+            expected[b : b + TILE_ROWS, v0:v1] = cols
+    gm = g.double() * expected
+    start_w = torch.randn(v, h, generator=gen)
+    buffers = {}
+    if acc != "write":
+        buffers["grad_weight_acc"] = start_w.to(
+            torch.float32 if acc == "fp32_acc" else dtype, copy=True
+        )
+    flt = GradientFilter(
+        eps, row_grad, input=which in ("both", "input"), weight=which in ("both", "weight")
+    )
+    vp.gradient_filter_stats(reset=True)
+    out = Outputs(filter=flt, accumulate=acc != "write", **buffers)
+    grads = gradient_products(
+        x, w, cv, lambda v0, v1, *_: g[:, v0:v1].clone(), out, g_reads_operands=False
+    )
+    stats = vp.gradient_filter_stats(reset=True)
+    n_tiles = sum(-(-bt // TILE_ROWS) * (min(v, v0 + cv) - v0) for v0 in range(0, v, cv))
+    left_out = sum(
+        int((~expected[b, v0 : v0 + cv]).sum()) for b in range(0, bt, TILE_ROWS)
+        for v0 in range(0, v, cv)
+    )  # fmt: skip
+    assert stats.tiles == n_tiles and left_out > n_tiles // 4
+    assert stats.skipped_input == (left_out if flt.input else 0)
+    assert stats.skipped_weight == (left_out if flt.weight else 0)
+    g_in = gm if flt.input else g.double()
+    g_w = gm if flt.weight else g.double()
+    want_in = g_in @ w.double()
+    if acc == "write":
+        want_w = g_w.T @ x.double()
+    else:  # what the buffer held before
+        want_w = g_w.T @ x.double() + start_w.to(buffers["grad_weight_acc"].dtype).double()
+    # Summed in fp32, rounded once: grad_input to the input dtype, the weight rows to the
+    # buffer's dtype.
+    _close(grads.input.float(), want_in, dtype, "grad_input")
+    w_dtype = torch.float32 if acc == "fp32_acc" else dtype
+    _close(grads.weight.float(), want_w, w_dtype, "grad_weight")
+    if acc != "write":
+        assert grads.weight is buffers["grad_weight_acc"]  # added in place
+
+
+def test_every_vocabulary_order_leaves_out_the_same_entries():
+    """One-column tiles: relabelling the vocabulary (what Cut Cross-Entropy's sort does)
+    changes neither what is left out nor, beyond fp32 summation order, the gradients."""
+    x, w, bias, y, _ = clean_problem(torch.float32, seed=7)
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(8))
+    inv = torch.argsort(perm)
+    vp.gradient_filter_stats(reset=True)
+    _, gi, gw, _ = run(x, w, bias, y, None, "mean", filter_eps="auto")
+    first = vp.gradient_filter_stats(reset=True)
+    _, gi_p, gw_p, _ = run(x, w[perm], bias[perm], inv[y.clamp(min=0)].where(y >= 0, y), None,
+                           "mean", filter_eps="auto")  # fmt: skip
+    second = vp.gradient_filter_stats(reset=True)
+    assert first.skipped_input == second.skipped_input > 0
+    _close(gi_p, gi.double(), torch.float32, "grad_input")
+    _close(gw_p, gw[perm].double(), torch.float32, "grad_weight")

@@ -119,22 +119,26 @@ def gradient_products(
             filtering.count(mask, flt)
             if bool(mask.all()):
                 mask = None  # nothing to leave out: the exact products below
-        if need_input_grad and mask is not None and flt.input:
-            tmp = None if operand == accum else scratch
-            filtering.input_product(acc, g, w_op, mask, v0 == 0, tmp)
-        elif need_input_grad:
+        f_in = need_input_grad and mask is not None and flt.input
+        f_w = need_weight_grad and mask is not None and flt.weight
+        if f_in or f_w:
+            filtering.filtered_products(
+                g, mask, grad_input=acc if f_in else None, w_op=w_op, first=v0 == 0,
+                grad_weight=grad_weight[v0:v1] if f_w else None, x_op=x_op,
+                write=acc_w is None or not accumulate,
+            )  # fmt: skip
+        if need_input_grad and not f_in:
             if v0 == 0:
                 precision.mm_fp32(g, w_op, out=acc)
             else:
                 tmp = None if operand == accum else scratch[: bt * h].view(bt, h)
                 precision.addmm_fp32_(acc, g, w_op, scratch=tmp)
-        if need_weight_grad and mask is not None and flt.weight:
-            write = acc_w is None or not accumulate
-            filtering.weight_product(grad_weight[v0:v1], g, x_op, mask, write, scratch)
-        elif need_weight_grad and acc_w is not None and accumulate:
+        if f_w or not need_weight_grad:
+            pass  # done above, or not wanted
+        elif acc_w is not None and accumulate:
             tmp = None if operand == accum else scratch[: (v1 - v0) * h].view(v1 - v0, h)
             precision.addmm_fp32_(acc_w[v0:v1], g.t(), x_op, scratch=tmp)
-        elif need_weight_grad:
+        else:
             rows = grad_weight[v0:v1]
             if grad_weight.dtype == accum:
                 precision.mm_fp32(g.t(), x_op, out=rows)

@@ -1,11 +1,11 @@
-"""Gradient filtering: the gradient products without the tiles of ``G`` that are negligible.
+"""Gradient filtering: the gradient products without the entries of ``G`` that are negligible.
 
-Off by default (``filter_eps=None``: exact). With ``filter_eps`` set, a tile of
-``TILE_ROWS x TILE_COLS`` entries of a chunk of ``G`` (``docs/design.md``, "Gradient
-filtering") is *negligible* when every entry of it is below ``eps`` per unit of upstream
-gradient,
+Off by default (``filter_eps=None``: exact). With ``filter_eps`` set, a tile of a chunk of
+``G`` (``docs/design.md``, "Gradient filtering"): one vocabulary column over a block of
+``TILE_ROWS`` tokens, is *negligible* when every entry of it is below ``eps`` per unit of
+upstream gradient,
 
-    |G_ij| < eps * |g_i|         for every (i, j) of the tile (g_i: row i's upstream gradient),
+    |G_ij| < eps * |g_i|         for every row i of the block (g_i: row i's upstream gradient),
 
 that is ``|d loss_i / d z_ij| < eps``: for the plain cross entropy ``|softmax - onehot| <
 eps``, the test of Cut Cross-Entropy (Wijmans et al., 2025). ``"auto"`` is
@@ -19,10 +19,22 @@ so
     |grad_input_i - exact|  <= eps |g_i| n_i max_j |W_j|    (n_i: entries left out of row i)
     |grad_weight_j - exact| <= eps sum_i |g_i| |x_i|        (the rows left out of column j)
 
-elementwise (the tests check these against float64). Both products walk the chunk in
-a fixed order (row blocks for ``grad_input``, column blocks for ``grad_weight``), so
-results are bitwise deterministic; a chunk whose tiles are all kept runs the unfiltered
-products unchanged.
+elementwise (the tests check these against float64). The first bound is the one to
+watch: a row leaves out thousands of small probabilities, and where their rows of ``W``
+point the same way (a trained head's unused tokens) the errors add up; ``"weight"`` keeps
+``grad_input`` exact.
+
+Why one column wide: Cut Cross-Entropy's Triton kernel skips whole ``16 x 128`` or
+``128 x 128`` MMA tiles, and sorts the vocabulary by average logit so that negligible
+entries cluster into whole tiles. The products here are GEMMs over gathered operands, so
+each row block gathers exactly its kept columns (``G[rows, kept]``, ``W[kept]``) and adds
+``G[rows, kept].T @ x[rows]`` back into ``grad_weight[kept]``: whatever the vocabulary
+order, every negligible column of a row block is left out, with no sort and no
+permutation of the weight per call. A row block keeping most of its columns
+(``DENSE_ABOVE``) multiplies whole, as gathering nearly everything costs more than it
+saves. Row blocks run in order and each ``index_add_`` has distinct indices, so results are
+bitwise deterministic; a chunk whose tiles are all kept runs the unfiltered products
+unchanged.
 
 What is left out is counted (:func:`gradient_filter_stats`): tiles seen and tiles skipped
 per product since the last reset, on this process.
@@ -36,9 +48,15 @@ import torch
 
 from vocab_parallel import precision
 
-# Tile of G that is kept or left out whole: rows (tokens) x columns (vocabulary).
+# Tile of G that is kept or left out whole: rows (tokens) x columns (vocabulary). One
+# column wide: the products gather a row block's kept columns, so any set of columns
+# can be left out, wherever the vocabulary order puts them (docs/design.md, "Gradient
+# filtering": no column sorting needed).
 TILE_ROWS = 128
-TILE_COLS = 128
+TILE_COLS = 1
+# A row block keeping at least this share of its columns runs whole (measured: the
+# gathers cost more than the columns they leave out; benchmarks/bench_filter.py).
+DENSE_ABOVE = 0.75
 
 
 def resolve_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float | None:
@@ -115,44 +133,39 @@ def gradient_filter_stats(reset: bool = False) -> GradientFilterStats:
 
 
 def tile_mask(g: torch.Tensor, f: GradientFilter) -> torch.Tensor:
-    """``[ceil(BT / TILE_ROWS), ceil(n / TILE_COLS)]`` bool: which tiles of the chunk
-    ``g [BT, n]`` are kept (some entry at or above ``eps |grad_i|``). Two reductions over
-    ``g`` in place (max and min per row and tile of columns, on a view: no copy of the
-    chunk), then the small ``[BT, tiles]`` maxima scaled per row and reduced per row block."""
+    """``[ceil(BT / TILE_ROWS), n]`` bool: which tiles of the chunk ``g [BT, n]`` are kept
+    (some entry at or above ``eps |grad_i|``); a tile is one column of one block of
+    ``TILE_ROWS`` rows. A row block keeping at least ``DENSE_ABOVE`` of its columns keeps
+    them all (its products run whole: gathering would cost more than it leaves out).
+
+    One pass over ``g``, a block of rows at a time (``|G_ij|`` scaled by its row's
+    ``1 / (eps |g_i|)`` into a ``[TILE_ROWS, n]`` buffer, then its maximum per column)."""
     bt, n = g.shape
-    n_cb = -(-n // TILE_COLS)
     n_rb = -(-bt // TILE_ROWS)
     if f.eps <= 0:  # |G_ij| < 0 never holds: every tile is kept
-        return torch.ones((n_rb, n_cb), dtype=torch.bool, device=g.device)
-    full = n // TILE_COLS * TILE_COLS
-    parts = []
-    if full:
-        tiles = g[:, :full].unflatten(1, (full // TILE_COLS, TILE_COLS))
-        parts.append(torch.maximum(tiles.amax(dim=2), tiles.amin(dim=2).neg()))
-    if full < n:  # the last, narrower tile of columns
-        tail = g[:, full:]
-        parts.append(torch.maximum(tail.amax(dim=1), tail.amin(dim=1).neg())[:, None])
-    row_max = torch.cat(parts, dim=1).to(torch.float32)  # [BT, n_cb] max |G| per row, tile
+        return torch.ones((n_rb, n), dtype=torch.bool, device=g.device)
     scale = f.grad.to(torch.float32).abs()
     # Rows of zero upstream gradient have G = 0: left out (inv 0) whatever eps.
     inv = torch.where(scale > 0, 1.0 / (f.eps * scale), 0.0)
-    row_max.mul_(inv if inv.numel() == 1 else inv[:, None])
-    pad = n_rb * TILE_ROWS - bt
-    if pad:
-        row_max = torch.nn.functional.pad(row_max, (0, 0, 0, pad))
-    tile_max = row_max.view(n_rb, TILE_ROWS, n_cb).amax(dim=1)
+    cdt = torch.float64 if g.dtype == torch.float64 else torch.float32
+    col_max = torch.empty((n_rb, n), dtype=cdt, device=g.device)
+    if inv.numel() == 1:  # one gradient for every row: scale the maxima, not the entries
+        for b in range(n_rb):
+            blk = g[b * TILE_ROWS : (b + 1) * TILE_ROWS]
+            col_max[b] = torch.maximum(blk.amax(dim=0), blk.amin(dim=0).neg())
+        col_max.mul_(inv.to(cdt))
+    else:
+        inv = inv.to(cdt)
+        buf = torch.empty((min(bt, TILE_ROWS), n), dtype=cdt, device=g.device)
+        for b in range(n_rb):
+            r0, r1 = b * TILE_ROWS, min(bt, (b + 1) * TILE_ROWS)
+            scaled = torch.mul(g[r0:r1], inv[r0:r1, None], out=buf[: r1 - r0])
+            torch.amax(scaled.abs_(), dim=0, out=col_max[b])
     # Kept unless below 1: a NaN or infinite G keeps its tile (nothing hides it).
-    return ~(tile_max < 1.0)
-
-
-def _runs(keys: list) -> list[tuple[int, int]]:
-    """``[(start, stop)]`` of the runs of equal consecutive entries of ``keys``."""
-    runs, start = [], 0
-    for i in range(1, len(keys) + 1):
-        if i == len(keys) or keys[i] != keys[start]:
-            runs.append((start, i))
-            start = i
-    return runs
+    kept = ~(col_max < 1.0)
+    dense = kept.sum(dim=1) >= DENSE_ABOVE * n
+    kept[dense] = True
+    return kept
 
 
 def count(mask: torch.Tensor, f: GradientFilter) -> None:
@@ -168,60 +181,57 @@ def count(mask: torch.Tensor, f: GradientFilter) -> None:
         _STATS.skipped_weight += skipped
 
 
-def input_product(acc, g, w_op, mask, first: bool, scratch) -> None:
-    """``acc (+)= G @ W`` of one chunk without its left-out tiles: row block by row block
-    (runs of row blocks with the same kept columns share one GEMM), over the kept columns
-    gathered. ``first``: ``acc`` holds nothing yet (written, not added to)."""
-    bt, n = g.shape
-    if first:
-        acc.zero_()
-    cols = _expand(mask, TILE_COLS, n)  # [n_rb, n] kept columns of each row block
-    keys = [tuple(m) for m in mask.tolist()]
-    for b0, b1 in _runs(keys):
-        r0, r1 = b0 * TILE_ROWS, min(bt, b1 * TILE_ROWS)
-        kept = cols[b0]
-        if not bool(kept.any()):
-            continue
-        g_rows, w_rows = g[r0:r1], w_op
-        if not bool(kept.all()):
-            idx = kept.nonzero().squeeze(1)
-            g_rows, w_rows = g_rows.index_select(1, idx), w_op.index_select(0, idx)
-        out = acc[r0:r1]
-        tmp = None if scratch is None else scratch[: out.numel()].view_as(out)
-        precision.addmm_fp32_(out, g_rows, w_rows, scratch=tmp)
+def filtered_products(g, mask, *, grad_input=None, w_op=None, first=False,
+                      grad_weight=None, x_op=None, write=False) -> None:  # fmt: skip
+    """The chunk's products without its left-out tiles, row block by row block in order
+    (bitwise deterministic): the block's kept columns of ``g`` gathered once, then
 
+    - ``grad_input[rows] (+)= G[rows, kept] @ W[kept]`` (``grad_input``: the fp32
+      ``[BT, H]`` accumulator, None when that product is not filtered; ``first``: it
+      holds nothing yet, written, not added to);
+    - ``grad_weight[kept] += G[rows, kept].T @ x[rows]``, into an fp32 sum of the chunk's
+      rows (``grad_weight``: the chunk's ``[n, H]`` rows, None when not filtered; written
+      with left-out columns 0 when ``write``, else added to, rounded once).
 
-def weight_product(rows_out, g, x_op, mask, write: bool, scratch) -> None:
-    """``grad_weight[chunk] (+)= G.T @ x`` without the left-out tiles: column block by
-    column block (runs with the same kept rows share one GEMM), over the kept rows
-    gathered. ``write``: the rows are written (left-out columns get 0), else added to.
-    ``rows_out``: ``[n, H]`` (fp32 or the gradient's dtype), ``scratch``: fp32 ``[n*H]`` or
-    None when ``rows_out`` is fp32 and the operands too."""
+    A row block whose columns are all kept multiplies whole; one with none kept adds
+    nothing. ``w_op`` / ``x_op``: the operands in the GEMM dtype."""
     bt, n = g.shape
-    rows = _expand(mask.t(), TILE_ROWS, bt)  # [n_cb, bt] kept rows of each column block
-    keys = [tuple(m) for m in mask.t().tolist()]
-    for b0, b1 in _runs(keys):
-        c0, c1 = b0 * TILE_COLS, min(n, b1 * TILE_COLS)
-        kept, out = rows[b0], rows_out[c0:c1]
-        if not bool(kept.any()):
-            if write:
-                out.zero_()
-            continue
-        g_cols, x_rows = g[:, c0:c1], x_op
-        if not bool(kept.all()):
-            idx = kept.nonzero().squeeze(1)
-            g_cols, x_rows = g_cols.index_select(0, idx), x_op.index_select(0, idx)
-        accum = precision.accumulate_dtype(g.dtype)
-        tmp = None if scratch is None else scratch[: out.numel()].view_as(out)
-        if not write:
-            precision.addmm_fp32_(out, g_cols.t(), x_rows, scratch=tmp)
-        elif out.dtype == accum:
-            precision.mm_fp32(g_cols.t(), x_rows, out=out)
+    accum = precision.accumulate_dtype(g.dtype)
+    gw = None
+    if grad_weight is not None:
+        direct = grad_weight.dtype == accum  # the sum goes straight into the rows
+        if direct and write:
+            gw = grad_weight.zero_()
+        elif direct:
+            gw = grad_weight
         else:
-            out.copy_(precision.mm_fp32(g_cols.t(), x_rows, out=tmp))
-
-
-def _expand(mask: torch.Tensor, size: int, n: int) -> torch.Tensor:
-    """A ``[blocks_a, blocks_b]`` tile mask as ``[blocks_a, n]``: each tile repeated
-    ``size`` times along its second axis, cut at ``n``."""
-    return mask.repeat_interleave(size, dim=1)[:, :n]
+            gw = torch.zeros(grad_weight.shape, dtype=accum, device=g.device)
+    for b in range(mask.shape[0]):
+        r0, r1 = b * TILE_ROWS, min(bt, (b + 1) * TILE_ROWS)
+        kept = mask[b]
+        k = n if bool(kept.all()) else int(kept.sum())
+        if k == 0:
+            if grad_input is not None and first:
+                grad_input[r0:r1].zero_()
+            continue
+        g_blk, w_blk, idx = g[r0:r1], w_op, None
+        if k < n:
+            idx = kept.nonzero().squeeze(1)
+            g_blk = g_blk.index_select(1, idx)
+            w_blk = None if w_op is None else w_op.index_select(0, idx)
+        if grad_input is not None:
+            out = grad_input[r0:r1]
+            if first:
+                precision.mm_fp32(g_blk, w_blk, out=out)
+            else:
+                precision.addmm_fp32_(out, g_blk, w_blk)
+        if gw is not None:
+            if idx is None:
+                precision.addmm_fp32_(gw, g_blk.t(), x_op[r0:r1])
+            else:
+                gw.index_add_(0, idx, precision.mm_fp32(g_blk.t(), x_op[r0:r1]))
+    if gw is not None and gw is not grad_weight:
+        if write:
+            grad_weight.copy_(gw)
+        else:
+            grad_weight.add_(gw)

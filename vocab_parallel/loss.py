@@ -114,12 +114,14 @@ def vocab_parallel_linear_cross_entropy(
             gradient accumulation); ``reduction`` must be ``"sum"`` then.
         filter_eps: gradient filtering, which changes the gradients (not the loss):
             ``None`` (default): exact. ``"auto"`` (``eps(input dtype) / 32``: 2^-12 for
-            bf16, 2^-28 for fp32) or a float ``eps >= 0``: tiles of the gradient of the
-            logits whose every entry is below ``eps`` per unit of upstream gradient are
-            left out of the gradient GEMMs (``vocab_parallel.filtering``: the bound on
-            what that changes; ``gradient_filter_stats()`` counts the tiles left out).
+            bf16, 2^-28 for fp32) or a float ``eps >= 0``: each vocabulary column of a
+            block of 128 tokens of the gradient of the logits whose every entry is below
+            ``eps`` per unit of upstream gradient is left out of the gradient GEMMs
+            (``vocab_parallel.filtering``: the bound on what that changes;
+            ``gradient_filter_stats()`` counts the tiles left out).
         filter_grads: which products ``filter_eps`` applies to: ``"both"`` (default),
-            ``"weight"`` or ``"input"``.
+            ``"weight"`` or ``"input"``. ``"weight"`` keeps ``grad_input`` exact: its
+            error is the one that adds up over a row's many small probabilities.
 
     ``weight`` (and ``bias``, ``class_weight``) may be DTensors placed ``Shard(0)`` on a
     1-D mesh, which then gives the group and layout (``vocab_parallel.dtensor``).

@@ -29,7 +29,8 @@ fp64 (the upstream gradient of the mean loss taken as 1, per token): the fractio
 entries with ``|G|`` below 2^-12 (``eps(bf16) / 32``, the "auto" eps for bf16) and below
 2^-28 (``eps(fp32) / 32``), and the fraction of 128-token x 128-column tiles whose max
 ``|G|`` is below each, with the columns in id order and sorted by their average logit over
-the tokens (descending, as Cut Cross-Entropy orders them). docs/design.md describes the
+the tokens (descending, as Cut Cross-Entropy orders them), and of 128-token x 1-column
+tiles (the library's, whatever the order). docs/design.md describes the
 filtering itself.
 """
 
@@ -198,13 +199,14 @@ def statistics(w: dict, tile: int = TILE) -> dict:
     # The average logit of each column over the tokens: mean(hidden) @ W.T (it is linear).
     order = torch.argsort(hidden.double().mean(0) @ weight.double().t(), descending=True)
     below = {name: 0 for name in EPS}
-    tiles = {key: [] for key in ("id", "sorted", "id_used")}
+    tiles = {key: [] for key in ("id", "sorted", "id_used", "column")}
     for lo in range(0, n, tile):
         g = grad_block(hidden[lo : lo + tile], weight, target[lo : lo + tile])
         for name, eps in EPS.items():
             below[name] += int((g < eps).sum())
         tiles["id"].append(tile_max(g, tile).amax(0))
         tiles["sorted"].append(tile_max(g[:, order], tile).amax(0))
+        tiles["column"].append(g.amax(0))  # the library's tiles: one column, any order
         if used:  # the columns the tokenizer uses (ids below its size), apart
             tiles["id_used"].append(tile_max(g[:, :used], tile).amax(0))
     out = {"tokens": n, "vocab": v}
@@ -222,19 +224,22 @@ def print_statistics(rows: list[tuple[str, dict]]) -> None:
     head = ["workload", "V", "tokens"]
     for name in EPS:
         head += [f"entries < {name} eps", f"tiles < {name} eps (id order)",
-                 "(sorted by avg logit)", "(id order, used columns only)"]  # fmt: skip
+                 "(sorted by avg logit)", "(id order, used columns only)",
+                 f"{TILE} x 1 tiles < {name} eps"]  # fmt: skip
     body = []
     for label, s in rows:
         cells = [label, str(s["vocab"]), str(s["tokens"])]
         for name in EPS:
-            for key in ("entries", "tiles_id", "tiles_sorted", "tiles_id_used"):
+            for key in ("entries", "tiles_id", "tiles_sorted", "tiles_id_used", "tiles_column"):
                 val = s.get(f"{key}<{name}")
                 cells.append("-" if val is None else f"{val:.1%}")
         body.append(cells)
     print(markdown_table(head, body))
     print(f"eps: bf16 2^-12, fp32 2^-28 (eps(dtype) / 32); tiles {TILE} tokens x {TILE} "
-          "columns; |softmax - onehot| in fp64 per unit upstream gradient; used columns: "
-          "ids below the tokenizer's vocabulary size.")  # fmt: skip
+          f"columns (CCE's), or x 1 column (the library's, before its rule that a row block "
+          "keeping 3/4 of its columns runs whole); |softmax - onehot| in fp64 per unit "
+          "upstream gradient; used columns: ids below the tokenizer's vocabulary "
+          "size.")  # fmt: skip
 
 
 def main(argv=None) -> int:

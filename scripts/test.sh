@@ -21,7 +21,8 @@ fi
 
 echo "[test] pytest $* (TRITON_INTERPRET=${TRITON_INTERPRET:-0})"
 rc=0
-"$PY" -m pytest "$@" || rc=$?
+# The slowest tests' times close the log: what to look at when CI nears its 30 minutes.
+"$PY" -m pytest --durations=25 "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then
     echo "[test] error: pytest collected no tests (exit code 5)" >&2
     exit 1

@@ -400,3 +400,31 @@ def test_every_vocabulary_order_leaves_out_the_same_entries():
     assert first.skipped_input == second.skipped_input > 0
     _close(gi_p, gi.double(), torch.float32, "grad_input")
     _close(gw_p, gw[perm].double(), torch.float32, "grad_weight")
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["uniform_grad", "per_row_grad"])
+def test_tile_mask_is_the_same_in_every_dtype_of_g(per_row):
+    """The tile test on ``G`` held in bf16 (CUDA's operands) or float64 (gradcheck) picks
+    the tiles the fp32 test picks, for one upstream gradient (a mean: ignored rows 0) and
+    for one per row; a NaN keeps its tile."""
+    from vocab_parallel.filtering import GradientFilter, tile_mask
+
+    g, _ = _structured_g(389, 300, torch.bfloat16, seed=13)
+    row_grad = torch.full((389,), 0.5)
+    if per_row:
+        row_grad = torch.rand(389, generator=torch.Generator().manual_seed(14)) + 0.5
+    row_grad[200:210] = 0.0
+    g[200:210] = 0.0
+    g[5, 7] = float("nan")
+    # A column just below the threshold in every row, once each row's gradient scales it
+    # (and above it for the largest row scale applied to the largest entry).
+    g[0:128, 4] = 0.9e-4 * row_grad[0:128]
+    masks = [tile_mask(g.to(dt), GradientFilter(1e-4, row_grad)) for dt in
+             (torch.float32, torch.bfloat16, torch.float64)]  # fmt: skip
+    ratio = g.double().abs() / (1e-4 * row_grad.double()[:, None])  # 0 / 0: NaN, kept
+    ratio[200:210] = torch.where(g[200:210].isnan(), float("nan"), 0.0)
+    want = torch.stack([~(ratio[b : b + TILE_ROWS].amax(0) < 1) for b in range(0, 389, TILE_ROWS)])
+    want[want.sum(1) >= DENSE_ABOVE * 300] = True
+    assert want[0, 7] and not want[0, 4] and 0.3 < want.float().mean() < 0.7
+    for mask in masks:
+        assert torch.equal(mask, want)

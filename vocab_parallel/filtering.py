@@ -149,11 +149,11 @@ def tile_mask(g: torch.Tensor, f: GradientFilter) -> torch.Tensor:
     inv = torch.where(scale > 0, 1.0 / (f.eps * scale), 0.0)
     cdt = torch.float64 if g.dtype == torch.float64 else torch.float32
     col_max = torch.empty((n_rb, n), dtype=cdt, device=g.device)
-    if inv.numel() == 1:  # one gradient for every row: scale the maxima, not the entries
+    uniform = _uniform(inv)
+    if uniform is not None:  # one gradient for every row: scale the maxima, not the entries
         for b in range(n_rb):
-            blk = g[b * TILE_ROWS : (b + 1) * TILE_ROWS]
-            col_max[b] = torch.maximum(blk.amax(dim=0), blk.amin(dim=0).neg())
-        col_max.mul_(inv.to(cdt))
+            col_max[b] = g[b * TILE_ROWS : (b + 1) * TILE_ROWS].abs().amax(dim=0)
+        col_max.mul_(uniform.to(cdt))
     else:
         inv = inv.to(cdt)
         buf = torch.empty((min(bt, TILE_ROWS), n), dtype=cdt, device=g.device)
@@ -166,6 +166,17 @@ def tile_mask(g: torch.Tensor, f: GradientFilter) -> torch.Tensor:
     dense = kept.sum(dim=1) >= DENSE_ABOVE * n
     kept[dense] = True
     return kept
+
+
+def _uniform(inv: torch.Tensor) -> torch.Tensor | None:
+    """The one nonzero value of ``inv`` (a 0-d tensor), or None where rows differ. Rows of
+    ``inv = 0`` (no upstream gradient: their ``G`` is 0) scale nothing and are ignored, so
+    a mean over the kept tokens is uniform; one device sync per call."""
+    if inv.numel() == 1:
+        return inv.reshape(())
+    hi = inv.amax()
+    lo = torch.where(inv > 0, inv, hi).amin()
+    return hi if bool(lo == hi) else None
 
 
 def count(mask: torch.Tensor, f: GradientFilter) -> None:
@@ -206,17 +217,19 @@ def filtered_products(g, mask, *, grad_input=None, w_op=None, first=False,
             gw = grad_weight
         else:
             gw = torch.zeros(grad_weight.shape, dtype=accum, device=g.device)
-    for b in range(mask.shape[0]):
+    # Every row block's kept columns at once (one device sync, not one per block).
+    counts = mask.sum(dim=1).tolist()
+    kept_cols = mask.nonzero()[:, 1].split(counts)
+    for b, (k, idx) in enumerate(zip(counts, kept_cols, strict=True)):
         r0, r1 = b * TILE_ROWS, min(bt, (b + 1) * TILE_ROWS)
-        kept = mask[b]
-        k = n if bool(kept.all()) else int(kept.sum())
         if k == 0:
             if grad_input is not None and first:
                 grad_input[r0:r1].zero_()
             continue
-        g_blk, w_blk, idx = g[r0:r1], w_op, None
-        if k < n:
-            idx = kept.nonzero().squeeze(1)
+        g_blk, w_blk = g[r0:r1], w_op
+        if k == n:
+            idx = None
+        else:
             g_blk = g_blk.index_select(1, idx)
             w_blk = None if w_op is None else w_op.index_select(0, idx)
         if grad_input is not None:

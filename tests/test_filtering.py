@@ -296,8 +296,9 @@ def test_ranks_that_disagree_on_filter_eps_fail_alike():
 # ---------------------------------------------------------------- the chunk loop itself
 
 
-def _structured_g(bt, v, dtype, seed):
-    """A ``G`` (values the input dtype holds) whose columns are negligible or not per row
+def _structured_g(bt, v, dtype, seed, held=True):
+    """A ``G`` (values the input dtype holds, unless not ``held``: then fp32 values the
+    loop must round) whose columns are negligible or not per row
     block in a pattern set by hand: row block 0 keeps every 3rd column, block 1 keeps 80%
     of them (above DENSE_ABOVE: runs whole), block 2 none, block 3 (partial) random."""
     gen = torch.Generator().manual_seed(seed)
@@ -313,7 +314,7 @@ def _structured_g(bt, v, dtype, seed):
         rows = keep[b : b + TILE_ROWS].any(0)
         tile_keep[b, rows] = True
     g = torch.where(tile_keep, big, small)
-    return g.to(dtype).float(), tile_keep
+    return (g.to(dtype).float() if held else g), tile_keep
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -332,7 +333,7 @@ def test_chunk_loop_leaves_out_exactly_the_negligible_columns(dtype, which, acc)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(bt, h, generator=gen).to(dtype)
     w = torch.randn(v, h, generator=gen).to(dtype)
-    g, _ = _structured_g(bt, v, dtype, seed=12)
+    g, _ = _structured_g(bt, v, dtype, seed=12, held=False)
     row_grad = torch.rand(bt, generator=gen) + 0.5  # G's rows are per unit of it: 1e-6 * 1.5
     row_grad[300] = 0.0  # a row of zero upstream gradient: never keeps anything
     g[300] = 0.0
@@ -345,7 +346,8 @@ def test_chunk_loop_leaves_out_exactly_the_negligible_columns(dtype, which, acc)
             if cols.sum() >= DENSE_ABOVE * (v1 - v0):
                 cols[:] = True
             expected[b : b + TILE_ROWS, v0:v1] = cols
-    gm = g.double() * expected
+    g_rounded = g.to(dtype).double()  # what the products must see: G in the input dtype
+    gm = g_rounded * expected
     start_w = torch.randn(v, h, generator=gen)
     buffers = {}
     if acc != "write":
@@ -356,7 +358,7 @@ def test_chunk_loop_leaves_out_exactly_the_negligible_columns(dtype, which, acc)
         eps, row_grad, input=which in ("both", "input"), weight=which in ("both", "weight")
     )
     vp.gradient_filter_stats(reset=True)
-    out = Outputs(filter=flt, accumulate=acc != "write", **buffers)
+    out = Outputs(filter=flt, accumulate=acc != "write", grad_input_dtype=torch.float32, **buffers)
     grads = gradient_products(
         x, w, cv, lambda v0, v1, *_: g[:, v0:v1].clone(), out, g_reads_operands=False
     )
@@ -369,20 +371,45 @@ def test_chunk_loop_leaves_out_exactly_the_negligible_columns(dtype, which, acc)
     assert stats.tiles == n_tiles and left_out > n_tiles // 4
     assert stats.skipped_input == (left_out if flt.input else 0)
     assert stats.skipped_weight == (left_out if flt.weight else 0)
-    g_in = gm if flt.input else g.double()
-    g_w = gm if flt.weight else g.double()
+    g_in = gm if flt.input else g_rounded
+    g_w = gm if flt.weight else g_rounded
     want_in = g_in @ w.double()
     if acc == "write":
         want_w = g_w.T @ x.double()
     else:  # what the buffer held before
         want_w = g_w.T @ x.double() + start_w.to(buffers["grad_weight_acc"].dtype).double()
-    # Summed in fp32, rounded once: grad_input to the input dtype, the weight rows to the
-    # buffer's dtype.
-    _close(grads.input.float(), want_in, dtype, "grad_input")
+    # Summed in fp32: grad_input kept in fp32 (as under tensor parallelism), the weight
+    # rows rounded once to the buffer's dtype.
+    _close(grads.input, want_in, torch.float32, "grad_input")
     w_dtype = torch.float32 if acc == "fp32_acc" else dtype
     _close(grads.weight.float(), want_w, w_dtype, "grad_weight")
     if acc != "write":
         assert grads.weight is buffers["grad_weight_acc"]  # added in place
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_a_filter_that_leaves_out_nothing_is_bitwise_exact(bias):
+    """Every tile kept (eps tiny): the products, G's rounding to bf16 and the bias
+    gradient are bitwise those of the unfiltered loop."""
+    from vocab_parallel.chunking import gradient_products
+    from vocab_parallel.filtering import GradientFilter
+    from vocab_parallel.interface import Outputs
+
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(200, 24, generator=gen).bfloat16()
+    w = torch.randn(300, 24, generator=gen).bfloat16()
+    g = torch.randn(200, 300, generator=gen)  # fp32 values: the loop rounds them
+
+    def products(flt):
+        out = Outputs(need_bias=bias, filter=flt)
+        return gradient_products(
+            x, w, 128, lambda v0, v1, *_: g[:, v0:v1].clone(), out, g_reads_operands=False
+        )
+
+    exact = products(None)
+    kept_all = products(GradientFilter(1e-30, torch.ones(200)))
+    for a, b in zip(exact, kept_all, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_every_vocabulary_order_leaves_out_the_same_entries():

@@ -104,10 +104,19 @@ def gradient_products(
     sizes += [cv * h] if need_weight_grad and (dtype != accum or operand != accum) else []
     scratch = torch.empty(max(sizes), dtype=accum, device=device) if sizes else None
     flt = out.filter if (need_input_grad or need_weight_grad) and h > 0 else None
+    # Filtering every product that is made (and no bias gradient to sum): G is rounded to
+    # the input dtype only where a product reads it (the kept columns), not whole; the
+    # tile test reads G before the rounding.
+    defer_rounding = (
+        flt is not None and not need_bias_grad
+        and (flt.input or not need_input_grad) and (flt.weight or not need_weight_grad)
+    )  # fmt: skip
     for v0 in range(0, v, cv):
         v1 = min(v, v0 + cv)
         w_op = weight[v0:v1].to(operand) if (need_input_grad or g_reads_operands) else None
-        g = precision.round_to(make_g(v0, v1, x_op, w_op), dtype, operand)
+        g = make_g(v0, v1, x_op, w_op)
+        if not defer_rounding:
+            g = precision.round_to(g, dtype, operand)
         if need_bias_grad:  # the rounded G the products see, summed in fp32
             if acc_b is None or not accumulate:
                 grad_bias[v0:v1] = g.sum(dim=0, dtype=accum)
@@ -119,6 +128,8 @@ def gradient_products(
             filtering.count(mask, flt)
             if bool(mask.all()):
                 mask = None  # nothing to leave out: the exact products below
+                if defer_rounding:
+                    g = precision.round_to(g, dtype, operand)
         f_in = need_input_grad and mask is not None and flt.input
         f_w = need_weight_grad and mask is not None and flt.weight
         if f_in or f_w:
@@ -126,6 +137,7 @@ def gradient_products(
                 g, mask, grad_input=acc if f_in else None, w_op=w_op, first=v0 == 0,
                 grad_weight=grad_weight[v0:v1] if f_w else None, x_op=x_op,
                 write=acc_w is None or not accumulate,
+                rounding=(dtype, operand) if defer_rounding else None,
             )  # fmt: skip
         if need_input_grad and not f_in:
             if v0 == 0:

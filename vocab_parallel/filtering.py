@@ -151,8 +151,9 @@ def tile_mask(g: torch.Tensor, f: GradientFilter) -> torch.Tensor:
     col_max = torch.empty((n_rb, n), dtype=cdt, device=g.device)
     uniform = _uniform(inv)
     if uniform is not None:  # one gradient for every row: scale the maxima, not the entries
-        for b in range(n_rb):
-            col_max[b] = g[b * TILE_ROWS : (b + 1) * TILE_ROWS].abs().amax(dim=0)
+        for b in range(n_rb):  # max |G| as max(max G, -min G): two reads, no temporary
+            blk = g[b * TILE_ROWS : (b + 1) * TILE_ROWS]
+            col_max[b] = torch.maximum(blk.amax(dim=0), blk.amin(dim=0).neg())
         col_max.mul_(uniform.to(cdt))
     else:
         inv = inv.to(cdt)
@@ -193,7 +194,7 @@ def count(mask: torch.Tensor, f: GradientFilter) -> None:
 
 
 def filtered_products(g, mask, *, grad_input=None, w_op=None, first=False,
-                      grad_weight=None, x_op=None, write=False) -> None:  # fmt: skip
+                      grad_weight=None, x_op=None, write=False, rounding=None) -> None:  # fmt: skip
     """The chunk's products without its left-out tiles, row block by row block in order
     (bitwise deterministic): the block's kept columns of ``g`` gathered once, then
 
@@ -205,7 +206,9 @@ def filtered_products(g, mask, *, grad_input=None, w_op=None, first=False,
       with left-out columns 0 when ``write``, else added to, rounded once).
 
     A row block whose columns are all kept multiplies whole; one with none kept adds
-    nothing. ``w_op`` / ``x_op``: the operands in the GEMM dtype."""
+    nothing. ``w_op`` / ``x_op``: the operands in the GEMM dtype. ``rounding``: ``(dtype,
+    operand)`` when ``g`` is not rounded yet (``precision.round_to``): each block's kept
+    columns are, once gathered, so a left-out column costs no rounding."""
     bt, n = g.shape
     accum = precision.accumulate_dtype(g.dtype)
     gw = None
@@ -232,6 +235,8 @@ def filtered_products(g, mask, *, grad_input=None, w_op=None, first=False,
         else:
             g_blk = g_blk.index_select(1, idx)
             w_blk = None if w_op is None else w_op.index_select(0, idx)
+        if rounding is not None:
+            g_blk = precision.round_to(g_blk, *rounding)
         if grad_input is not None:
             out = grad_input[r0:r1]
             if first:

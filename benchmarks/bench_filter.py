@@ -303,13 +303,16 @@ def skip_reason(impl: str) -> str | None:
     return None
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], filter_eps: float | str = "auto") -> str:
     head = ["workload", "V", "dtype", "ranks", "implementation", "best ms", "/ exact"]
     head += ["peak extra MiB", "skipped tiles", "err hidden", "err W", "loss", "status"]
     exact = {r["key"]: r["time_s"] for r in rows if r["impl"] == "ours_exact" and "time_s" in r}
     body = []
     for r in rows:
-        cells = [r["workload"], str(r["v"]), r["dtype"], str(r["world"]), IMPLS[r["impl"]][0]]
+        label = IMPLS[r["impl"]][0]
+        if r["impl"] in FILTERED and filter_eps != "auto":  # the eps the row ran with
+            label = label.replace('"auto"', f"{filter_eps:g}")
+        cells = [r["workload"], str(r["v"]), r["dtype"], str(r["world"]), label]
         if r["status"] != "ok":
             body.append(cells + [""] * 7 + [r["status"]])
             continue
@@ -393,7 +396,7 @@ def main(argv=None) -> int:
             r["mismatch"] = True
             mismatches.append(f"{r['impl']} {r['key']}: {r['loss']} vs {ref}")
     print()
-    print(table(rows))
+    print(table(rows, args.filter_eps))
     print()
     print(legend(args, rows))
     for line in target_lines(rows):

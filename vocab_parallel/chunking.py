@@ -137,7 +137,7 @@ def gradient_products(
                 g, mask, grad_input=acc if f_in else None, w_op=w_op, first=v0 == 0,
                 grad_weight=grad_weight[v0:v1] if f_w else None, x_op=x_op,
                 write=acc_w is None or not accumulate,
-                rounding=(dtype, operand) if defer_rounding else None,
+                rounding=(dtype, operand) if defer_rounding else None, scratch=scratch,
             )  # fmt: skip
         if need_input_grad and not f_in:
             if v0 == 0:

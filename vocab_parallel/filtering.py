@@ -194,7 +194,8 @@ def count(mask: torch.Tensor, f: GradientFilter) -> None:
 
 
 def filtered_products(g, mask, *, grad_input=None, w_op=None, first=False,
-                      grad_weight=None, x_op=None, write=False, rounding=None) -> None:  # fmt: skip
+                      grad_weight=None, x_op=None, write=False, rounding=None,
+                      scratch=None) -> None:  # fmt: skip
     """The chunk's products without its left-out tiles, row block by row block in order
     (bitwise deterministic): the block's kept columns of ``g`` gathered once, then
 
@@ -208,7 +209,8 @@ def filtered_products(g, mask, *, grad_input=None, w_op=None, first=False,
     A row block whose columns are all kept multiplies whole; one with none kept adds
     nothing. ``w_op`` / ``x_op``: the operands in the GEMM dtype. ``rounding``: ``(dtype,
     operand)`` when ``g`` is not rounded yet (``precision.round_to``): each block's kept
-    columns are, once gathered, so a left-out column costs no rounding."""
+    columns are, once gathered, so a left-out column costs no rounding. ``scratch``: an
+    fp32 buffer the chunk's weight sum may live in (the loop's, free while this runs)."""
     bt, n = g.shape
     accum = precision.accumulate_dtype(g.dtype)
     gw = None
@@ -218,6 +220,8 @@ def filtered_products(g, mask, *, grad_input=None, w_op=None, first=False,
             gw = grad_weight.zero_()
         elif direct:
             gw = grad_weight
+        elif scratch is not None and scratch.numel() >= grad_weight.numel():
+            gw = scratch[: grad_weight.numel()].view(grad_weight.shape).zero_()
         else:
             gw = torch.zeros(grad_weight.shape, dtype=accum, device=g.device)
     # Every row block's kept columns at once (one device sync, not one per block).

@@ -24,9 +24,9 @@ watch: a row leaves out thousands of small probabilities, and where their rows o
 point the same way (a trained head's unused tokens) the errors add up; ``"weight"`` keeps
 ``grad_input`` exact.
 
-Why one column wide: Cut Cross-Entropy's Triton kernel skips whole ``16 x 128`` or
-``128 x 128`` MMA tiles, and sorts the vocabulary by average logit so that negligible
-entries cluster into whole tiles. The products here are GEMMs over gathered operands, so
+Why one column wide: Cut Cross-Entropy's Triton kernel skips whole MMA tiles of ``G``
+(``BLOCK_B x BLOCK_V``, autotuned from 64 to 256 a side), and sorts the vocabulary by
+average logit so that negligible entries cluster into whole tiles. The products here are GEMMs over gathered operands, so
 each row block gathers exactly its kept columns (``G[rows, kept]``, ``W[kept]``) and adds
 ``G[rows, kept].T @ x[rows]`` back into ``grad_weight[kept]``: whatever the vocabulary
 order, every negligible column of a row block is left out, with no sort and no

@@ -26,15 +26,15 @@ point the same way (a trained head's unused tokens) the errors add up; ``"weight
 
 Why one column wide: Cut Cross-Entropy's Triton kernel skips whole MMA tiles of ``G``
 (``BLOCK_B x BLOCK_V``, autotuned from 64 to 256 a side), and sorts the vocabulary by
-average logit so that negligible entries cluster into whole tiles. The products here are GEMMs over gathered operands, so
-each row block gathers exactly its kept columns (``G[rows, kept]``, ``W[kept]``) and adds
-``G[rows, kept].T @ x[rows]`` back into ``grad_weight[kept]``: whatever the vocabulary
-order, every negligible column of a row block is left out, with no sort and no
-permutation of the weight per call. A row block keeping most of its columns
-(``DENSE_ABOVE``) multiplies whole, as gathering nearly everything costs more than it
-saves. Row blocks run in order and each ``index_add_`` has distinct indices, so results are
-bitwise deterministic; a chunk whose tiles are all kept runs the unfiltered products
-unchanged.
+average logit so that negligible entries cluster into whole tiles. The products here are
+GEMMs over gathered operands, so each row block gathers exactly its kept columns
+(``G[rows, kept]``, ``W[kept]``) and adds ``G[rows, kept].T @ x[rows]`` back into
+``grad_weight[kept]``: whatever the vocabulary order, every negligible column of a row
+block is left out, with no sort and no permutation of the weight per call. A row block
+keeping most of its columns (``DENSE_ABOVE``) multiplies whole, as gathering nearly
+everything costs more than it saves. Row blocks run in order and each ``index_add_`` has
+distinct indices, so results are bitwise deterministic; a chunk whose tiles are all kept
+runs the unfiltered products unchanged.
 
 What is left out is counted (:func:`gradient_filter_stats`): tiles seen and tiles skipped
 per product since the last reset, on this process.

@@ -138,8 +138,10 @@ def tile_mask(g: torch.Tensor, f: GradientFilter) -> torch.Tensor:
     ``TILE_ROWS`` rows. A row block keeping at least ``DENSE_ABOVE`` of its columns keeps
     them all (its products run whole: gathering would cost more than it leaves out).
 
-    One pass over ``g``, a block of rows at a time (``|G_ij|`` scaled by its row's
-    ``1 / (eps |g_i|)`` into a ``[TILE_ROWS, n]`` buffer, then its maximum per column)."""
+    One pass over ``g``, a block of rows at a time: where every row with a gradient has
+    the same one (a mean; :func:`_uniform`), each column's max and min, then the maxima
+    scaled by ``1 / (eps |g|)``; else ``|G_ij|`` scaled by its row's ``1 / (eps |g_i|)``
+    into a ``[TILE_ROWS, n]`` buffer, then its maximum per column."""
     bt, n = g.shape
     n_rb = -(-bt // TILE_ROWS)
     if f.eps <= 0:  # |G_ij| < 0 never holds: every tile is kept

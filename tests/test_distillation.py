@@ -267,7 +267,7 @@ def test_single_process_triton(case):
     assert check(case) == []
 
 
-# The Triton backend's forward statistics in its two-head kernel (kernels/distill.py):
+# The Triton backend's forward statistics in its two-head kernel (kernels/src/distill.py):
 # odd shapes (37 tokens, V 389, H 48 / H_t 80: edge tiles in every dimension), both KLs
 # and the JSD's first pass, the CE mix with ignored tokens at T = 1 (the target logit
 # only) and T != 1 (the untempered sums too), a bias on either head, memory-saving

@@ -64,10 +64,10 @@ def _names(wheel: Path) -> list[str]:
 def test_wheel_holds_the_library(wheel):
     names = set(_names(wheel))
     assert f"{PACKAGE}/__init__.py" in names
-    # Every module of the kernels (top-level kernels/, installed as vocab_parallel.kernels)
+    # Every module of the kernels (kernels/src/, installed as vocab_parallel.kernels)
     # and of the integrations.
     for src_dir, dest in (
-        (ROOT / "kernels", f"{PACKAGE}/kernels"),
+        (ROOT / "kernels" / "src", f"{PACKAGE}/kernels"),
         (ROOT / PACKAGE / "integrations", f"{PACKAGE}/integrations"),
     ):
         expected = {f"{dest}/{p.name}" for p in src_dir.glob("*.py")}
@@ -98,6 +98,39 @@ def test_wheel_requires_torch_alone(wheel):
     unconditional = [r for r in requires if not re.search(r"\bextra\s*==", r)]
     names = [re.match(r"[A-Za-z0-9._-]+", r).group(0).lower() for r in unconditional]
     assert names == ["torch"], requires
+
+
+def test_the_checkout_never_shadows_a_top_level_kernels(tmp_path):
+    """``import kernels`` from a checkout's root gets the installed ``kernels``, not ours.
+
+    The name is Hugging Face's distribution, which transformers imports; a ``kernels/``
+    regular package at the repository root would shadow it whenever the root is on
+    ``sys.path`` (kernels/README.md). A stand-in distribution placed *after* the root on
+    ``sys.path`` (or the real one, where installed) must still win, and our kernels stay
+    importable by their own name.
+    """
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    other = tmp_path / "site" / "kernels"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path[:] = [{str(ROOT)!r}] + sys.path + [{str(other.parent)!r}]
+        import kernels
+        # The stand-in, or the real distribution where one is installed: a regular
+        # package either way, never a folder of this checkout.
+        assert kernels.__file__ is not None, kernels
+        assert not kernels.__file__.startswith({str(ROOT / "kernels")!r}), kernels
+        from vocab_parallel.kernels import backward, common, distill, forward
+        assert forward.__name__ == "vocab_parallel.kernels.forward"
+        """
+    )
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.slow

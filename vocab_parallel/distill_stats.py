@@ -17,9 +17,9 @@ a second time (:func:`jsd_sums`, one more SUM of two per-token sums). :func:`gra
 is ``d loss_i / d z_ij`` of one chunk (then ``G`` of the backends' two products,
 ``vocab_parallel.chunking``). The logits of a chunk come from :class:`HeadLogits`:
 recomputed by a backend (``"torch"``: a chunked fp32 GEMM; ``"triton"``: the forward
-statistics kernel writing them, ``kernels/forward.py``), or read from saved ones. On the
+statistics kernel writing them, ``kernels/src/forward.py``), or read from saved ones. On the
 Triton backend the dense teacher's first pass is one kernel instead
-(:func:`fused_statistics`, ``kernels/distill.py``): both heads' tiles and these sums in
+(:func:`fused_statistics`, ``kernels/src/distill.py``): both heads' tiles and these sums in
 registers, no chunk of logits made (high-performance mode: written to the kept ones);
 and so are, from recomputed logits, the JSD's second pass (:func:`jsd_sums`) and the
 dense teacher's ``G`` (:func:`fused_gradient`). The top-k teacher, and ``G`` from kept
@@ -255,7 +255,7 @@ def local_statistics(
 
 def fused_statistics(spec: Spec, student: HeadLogits, teacher: HeadLogits | None) -> bool:
     """Whether :func:`local_statistics` runs in the Triton kernel of both heads
-    (``kernels/distill.py``): the Triton backend, a dense teacher of the student's dtype
+    (``kernels/src/distill.py``): the Triton backend, a dense teacher of the student's dtype
     (its tile products are of one type; fp32 statistics), logits recomputed or filled
     (high-performance mode, grad-in-forward's chunks), not read from saved ones."""
     if student.backend != "triton" or spec.sparse or teacher is None:

@@ -30,7 +30,7 @@ of each divergence: :func:`divergence_gradient`), written once in the input dtyp
 shared chunk loop's two torch GEMMs. ``G`` from kept logits and the top-k teacher's are
 the torch epilogue's.
 
-The vocabulary is cut into splits that run in parallel, as in ``kernels/forward.py``:
+The vocabulary is cut into splits that run in parallel, as in ``kernels/src/forward.py``:
 each writes its fp32 partials ``[splits, BT]``, and the launcher merges them in split
 order (deterministic; memory independent of V). Cross-rank reduction is the caller's.
 Row and column indices are int64 (``vocab_parallel.kernels.common``).
@@ -147,7 +147,7 @@ def _distill_stats_kernel(
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
     inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=1.0)
 
-    # Running maxima from the most negative finite fp32 (kernels/forward.py: a tile of
+    # Running maxima from the most negative finite fp32 (kernels/src/forward.py: a tile of
     # -inf logits adds 0 and rescales by exp(0) = 1, never exp(-inf + inf)).
     lowest = -3.4028234663852886e38
     m_s = tl.full((BLOCK_M,), lowest, dtype=tl.float32)
@@ -174,7 +174,7 @@ def _distill_stats_kernel(
             H, stride_xm, stride_xk, stride_wn, stride_wk,
             HAS_BIAS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        if SOFTCAP:  # (as kernels/forward.py, which the backward's recompute uses)
+        if SOFTCAP:  # (as kernels/src/forward.py, which the backward's recompute uses)
             z = tanh(z * inv_softcap) * softcap
         if STORE_LOGITS:
             tl.store(

@@ -104,7 +104,7 @@ _HALF_TILES = {
     ("logits_grad", 8): (128, 128, 64, 8, 4),  # triton >= 3.9; before: _OLD_TRITON_TILES
     ("logits_grad", 9): (128, 128, 64, 16, 4),
     ("logits_grad", 10): (128, 128, 64, 8, 4),
-    # Distillation's two-head forward statistics (kernels/distill.py): both heads' tiles
+    # Distillation's two-head forward statistics (kernels/src/distill.py): both heads' tiles
     # and the student's tempered one live at once, so half the forward's columns; with
     # 64 of them ptxas needs 255 registers at odd sizes on sm_80 and spills on sm_90.
     ("distill_stats", 8): (64, 32, 32, 8, 3),

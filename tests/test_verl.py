@@ -2,7 +2,9 @@
 ``FusedLinearForPPO`` (no TP) for ``linear_cross_entropy``, and its Megatron-based
 ``vocab_parallel_log_probs_from_logits`` / ``vocab_parallel_entropy`` on materialised
 vocabulary-parallel logits at TP 2 (gloo), including verl's gradient convention: the
-hidden gradient rank-local, summed by the caller. verl's modules are loaded without its
+hidden gradient rank-local, summed by the caller; and ``fused_output_processor`` in a
+real ``GPTModel`` at TP 2, sequence parallelism off and on, against verl's non-fused
+Megatron path (every parameter's gradient). verl's modules are loaded without its
 package init (``framework_shims.verl_module``: it imports ray)."""
 
 from __future__ import annotations
@@ -147,3 +149,77 @@ def test_patch_verl_replaces_verls_function():
         assert module.linear_cross_entropy is vp_verl.linear_cross_entropy
     finally:
         module.linear_cross_entropy = original
+
+
+# --- A real GPTModel at TP 2: the processor against verl's own Megatron path ------------
+
+GPT_V, GPT_H, GPT_S, GPT_B = 130, 32, 8, 2  # shards of 65 rows
+
+
+def _gpt(sequence_parallel: bool, tied: bool):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=GPT_H, num_attention_heads=4, tensor_model_parallel_size=2,
+        sequence_parallel=sequence_parallel, use_cpu_initialization=True, hidden_dropout=0.0,
+        attention_dropout=0.0, params_dtype=torch.float32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return GPTModel(
+        config, get_gpt_layer_local_spec(), vocab_size=GPT_V, max_sequence_length=GPT_S,
+        share_embeddings_and_output_weights=tied,
+    )  # fmt: skip
+
+
+def _gpt_tp2(group):
+    """A tiny GPTModel at TP 2, sequence parallelism off and on (and off with tied
+    embeddings: the weight comes as ``output_weight``): ``fused_output_processor``
+    against verl's own non-fused Megatron path (the model's vocabulary-parallel logits,
+    ``/ temperature``, then ``vocab_parallel_log_probs_from_logits`` and
+    ``vocab_parallel_entropy``): log-probs, entropy and every parameter's gradient.
+    Returns ``{(sp, tied): (worst relative error, where)}``."""
+    from types import SimpleNamespace
+
+    from framework_shims import causal_mask, megatron_on_cpu, verl_module
+
+    megatron_on_cpu(tp_size=2)
+    tp = verl_module("verl.utils.megatron.tensor_parallel")
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, GPT_V, (GPT_B, GPT_S), generator=g)
+    labels = torch.randint(0, GPT_V, (GPT_B, GPT_S), generator=g)
+    a, b = torch.randn(GPT_B * GPT_S, generator=g), torch.randn(GPT_B * GPT_S, generator=g)
+    pos = torch.arange(GPT_S)[None].expand(GPT_B, GPT_S)
+    result = {}
+    for sp, tied in ((False, False), (True, False), (False, True)):
+        outs = []
+        for which in ("verl", "ours"):
+            model = _gpt(sp, tied)
+            if which == "verl":
+                logits = model(ids, pos, causal_mask(GPT_S)) / TEMP  # [b, s, V/tp]
+                lp = tp.vocab_parallel_log_probs_from_logits(logits.clone(), labels).reshape(-1)
+                ent = tp.vocab_parallel_entropy(logits.clone()).reshape(-1)
+            else:
+                out = model(
+                    ids, pos, causal_mask(GPT_S), labels=labels,
+                    output_processor=vp_verl.fused_output_processor,
+                    output_processor_context=SimpleNamespace(temperature=TEMP),
+                )  # fmt: skip
+                lp, ent = out.log_probs, out.entropy
+            (a * lp + b * ent).sum().backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            outs.append({"log_probs": lp, "entropy": ent, **grads})
+        errors = {k: _rel(outs[1][k], outs[0][k]) for k in outs[0]}
+        worst = max(errors, key=errors.get)
+        result[sp, tied] = (errors[worst], worst)
+    return result
+
+
+@pytest.mark.slow
+def test_gpt_model_tp2_processor_matches_verls_megatron_path():
+    """Without sequence parallelism nothing else sums the hidden-state gradient over the
+    TP ranks (Megatron's output layer would, and it is not called): the processor must."""
+    for result in run_ranks(_gpt_tp2, 2):
+        for (sp, tied), (error, where) in result.items():
+            assert error < 1e-5, (f"sequence_parallel={sp}, tied={tied}", where, error)

@@ -26,7 +26,8 @@ Megatron references):
 * **Gradient**: under tensor parallelism the gradient of ``hidden`` is this rank's
   partial one, NOT summed over ``dist_process_group``: verl's callers sum it (the
   sequence-parallel gather's reduce-scatter in the Megatron path). The weight's
-  gradient is this rank's rows, as always.
+  gradient is this rank's rows, as always. (:func:`fused_output_processor` sums it
+  itself when ``config.sequence_parallel`` is off: there no gather's backward does.)
 * Labels equal to -100 give 0 and no gradient (verl has no ignore index; rolled
   ``input_ids`` never hold -100, so nothing changes for it).
 
@@ -67,6 +68,12 @@ def linear_cross_entropy(
     ``softmax(hidden @ W.T / temperature)`` over the vocabulary sharded over
     ``dist_process_group`` (``weight``: this rank's rows); conventions in the module
     docstring (the hidden gradient stays rank-local)."""
+    return _stats(hidden, weight, labels, temperature, reduction, dist_process_group, True)
+
+
+def _stats(hidden, weight, labels, temperature, reduction, group, partial_grad_input: bool):
+    """:func:`linear_cross_entropy`, the hidden gradient this rank's share when
+    ``partial_grad_input`` (the caller sums it), else summed over ``group`` here."""
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         raise TypeError(f"temperature: expected a float, got {type(temperature).__name__}")
     if not (0.0 < float(temperature) < math.inf):
@@ -79,8 +86,8 @@ def linear_cross_entropy(
     y = labels.reshape(-1) if isinstance(labels, torch.Tensor) else labels
     opts = LossOptions(reduction="none", temperature=float(temperature))
     stats = run_token_stats(
-        h2, weight, y, opts, StatsRequest(entropy=True), dist_process_group,
-        partial_grad_input=True,
+        h2, weight, y, opts, StatsRequest(entropy=True), group,
+        partial_grad_input=partial_grad_input,
     )  # fmt: skip
     logprobs = stats.logprobs
     if reduction == "sum":
@@ -109,17 +116,16 @@ def fused_output_processor(
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     output = CausalLMOutputWithPast(loss=None, logits=None, hidden_states=hidden_states)
-    if config.sequence_parallel:
+    sequence_parallel = bool(config.sequence_parallel)
+    if sequence_parallel:  # its backward reduce-scatters: sums the hidden gradient
         hidden_states = gather_from_sequence_parallel_region(hidden_states)
     weight = output_weight if output_weight is not None else output_layer.weight
     hidden = hidden_states.transpose(0, 1)  # [s, b, h] -> labels' [b, s] order
-    logprobs, entropy = linear_cross_entropy(
-        hidden,
-        weight,
-        labels,
-        float(context.temperature),
-        "none",
-        parallel_state.get_tensor_model_parallel_group(),
+    group = parallel_state.get_tensor_model_parallel_group()
+    # Without sequence parallelism nothing else sums the hidden gradient over the group
+    # (the output layer's copy_to_tensor_model_parallel_region would; it is not called).
+    logprobs, entropy = _stats(
+        hidden, weight, labels, float(context.temperature), "none", group, sequence_parallel
     )
     output["log_probs"] = logprobs
     output["entropy"] = entropy

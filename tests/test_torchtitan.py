@@ -8,7 +8,10 @@ TP 2 (2 ranks) and FSDP2 x TP 2 x 2 (4 ranks). Two SGD steps of the same model w
 torchtitan's ``ChunkedLossWrapper`` + ``CrossEntropyLoss`` and with our
 ``VocabParallelLossWrapper`` (``-100`` labels in one data-parallel rank's batch only, so
 ``global_valid_tokens`` matters) give the same losses and the same gradient shards on every
-rank (fp32, 1e-5 relative to the largest value). The CPU shims are in
+rank (fp32, 1e-5 relative to the largest value). torchtitan's default backend,
+``spmd_types``, at TP 2 (plain local shards) is refused with an error naming
+``parallelism.spmd_backend`` on every rank, and a plain shard of unknown layout is refused
+by ``lm_head_loss``. The CPU shims are in
 ``framework_shims.py``; each world is one spawn (importing torchtitan costs seconds).
 """
 
@@ -19,13 +22,10 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("torchtitan") is None,
-        reason="torchtitan is not installed (the torchtitan extra; scripts/setup.sh)",
-    ),
-]
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None,
+    reason="torchtitan is not installed (the torchtitan extra; scripts/setup.sh)",
+)
 
 V, SEQ, BATCH, STEPS, LR = 515, 8, 2, 2, 0.5
 REL = 1e-5
@@ -150,13 +150,104 @@ def _check(per_rank: list[dict]) -> None:
         assert r["weight_type"] == "DTensor", (rank, r)
 
 
+@pytest.mark.slow
 def test_tp2_equals_torchtitan_loss():
     from multirank import run_ranks
 
     _check(run_ranks(_compare, 2, 1))
 
 
+@pytest.mark.slow
 def test_fsdp2_x_tp2_equals_torchtitan_loss():
     from multirank import run_ranks
 
     _check(run_ranks(_compare, 4, 2))
+
+
+# --- torchtitan's default backend, spmd_types: plain local shards, refused ----------------
+
+
+def _spmd_types_tp2(group) -> dict:
+    """The model at TP 2 under torchtitan's default ``spmd_backend`` (``"spmd_types"``),
+    parallelised as ``parallelize_llama`` does before its FSDP step (``Module.parallelize``:
+    ``lm_head``'s weight a plain ``[258 | 257, 256]`` shard, the hidden states plain
+    tensors), our wrapper called as the trainer calls it (inside its SPMD context) and
+    outside that context; labels anywhere, and all within rank 1's shard (which gave a
+    wrong loss without an error). Returns the error messages (or the losses)."""
+    from framework_shims import torchtitan_on_cpu
+
+    torchtitan_on_cpu()
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    from vocab_parallel.integrations.torchtitan import VocabParallelLossWrapper
+
+    parallelism = ParallelismConfig(tensor_parallel_degree=2)  # the default backend
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    dims = ParallelDims.from_config(parallelism, 2)
+    dims.build_mesh()
+    context = dist_utils.get_spmd_context(parallel_dims=dims)
+    _, model = sdpa_model(seed=0)
+    model.parallelize(dims)
+    model._skip_lm_head = True
+    loss_fn = VocabParallelLossWrapper.Config().build()
+    out = {"backend": parallelism.spmd_backend, "rows": model.lm_head.weight.shape[0]}
+    try:
+        loss_fn.set_lm_head(model.lm_head)  # what the trainer does after parallelize_fn
+        out["set_lm_head"] = "no error"
+    except ValueError as e:
+        out["set_lm_head"] = str(e)
+    loss_fn.lm_head = model.lm_head  # past set_lm_head: the call must refuse it too
+    ids, labels = _batch(0, 1)
+    for case, y in (("labels", labels), ("labels_in_one_shard", labels % 257)):
+        for where in ("in_context", "outside"):
+            try:
+                if where == "in_context":
+                    with context():
+                        loss, _ = loss_fn(model(ids), y, 16)
+                else:
+                    with context():
+                        pred = model(ids)
+                    loss, _ = loss_fn(pred, y, 16)
+                out[f"{case} {where}"] = f"no error: loss {float(loss):.6f}"
+            except ValueError as e:
+                out[f"{case} {where}"] = str(e)
+    return out
+
+
+@pytest.mark.slow
+def test_default_spmd_types_backend_at_tp2_is_refused_naming_the_setting():
+    from multirank import run_ranks
+
+    per_rank = run_ranks(_spmd_types_tp2, 2)
+    assert [r["rows"] for r in per_rank] == [258, 257]
+    assert per_rank[0]["backend"] == "spmd_types"
+    messages = [{k: v for k, v in r.items() if k not in ("rows", "backend")} for r in per_rank]
+    assert messages[0] == messages[1], messages  # the same error on every rank
+    for case, message in messages[0].items():
+        assert message.startswith("parallelism.spmd_backend: "), (case, message)
+        assert "partial_dtensor" in message, (case, message)
+
+
+def test_plain_local_shard_of_unknown_layout_is_refused():
+    """An ``lm_head`` whose weight is a plain tensor of fewer rows than its ``out_features``
+    is a shard whose place in the vocabulary nothing states: refused, never a loss over
+    the shard as if it were the vocabulary (labels all within it gave one, silently)."""
+    from vocab_parallel.integrations.torchtitan import lm_head_loss
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, V, bias=False)
+    head.weight = torch.nn.Parameter(torch.randn(V // 2, 16, generator=g))
+    hidden = torch.randn(2, 4, 16, generator=g)
+    labels = torch.randint(0, V // 2, (2, 4), generator=g)
+    with pytest.raises(
+        ValueError, match=r"^lm_head: its weight is a plain tensor whose rows are not "
+    ):
+        lm_head_loss(hidden, head, labels)
+    head.weight = torch.nn.Parameter(torch.randn(V, 16, generator=g))  # the whole vocabulary
+    full = lm_head_loss(hidden, head, labels)
+    ref = torch.nn.functional.cross_entropy(
+        (hidden @ head.weight.T).reshape(-1, V), labels.reshape(-1), reduction="sum"
+    )
+    torch.testing.assert_close(full, ref)

@@ -24,6 +24,14 @@ hidden states and ``lm_head``'s weight instead of chunks of logits:
   FSDP: the weight's gradient is reduce-scattered by FSDP's post-backward (the root's
   final callback runs it for a module whose forward did not run), as after any backward.
 * Labels of ``-100`` (torchtitan's ``IGNORE_INDEX``) are ignored.
+* **SPMD backend**: tensor parallelism needs ``parallelism.spmd_backend="partial_dtensor"``
+  (the DTensor placements above). torchtitan 0.3's default, ``"spmd_types"``, gives
+  ``lm_head`` a plain local shard and plain hidden states whose gradient it expects
+  rank-local: ``set_lm_head`` and the call refuse it (``ValueError`` naming
+  ``parallelism.spmd_backend``, on every rank) at a tensor-parallel degree above 1;
+  at degree 1 either backend works. A plain weight of other than ``out_features`` rows
+  (a shard whose place nothing states) is refused by :func:`lm_head_loss` as well,
+  never scored as if it were the whole vocabulary.
 
 The plain function :func:`lm_head_loss` does the same for callers of their own.
 torchtitan is imported only when :class:`VocabParallelLossWrapper` is first used (PEP 562
@@ -38,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.loss import run_loss
 from vocab_parallel.options import LossOptions
 
@@ -68,7 +77,8 @@ def lm_head_loss(
         hidden: ``[B, L, D]`` final hidden states: a plain tensor, or a ``Replicate()``
             DTensor on the tensor-parallel mesh.
         lm_head: an ``nn.Linear`` (possibly ``ColwiseParallel``: a ``Shard(0)`` DTensor
-            weight; possibly an ``FSDPModule``); its bias, if any, is used too.
+            weight; possibly an ``FSDPModule``); its bias, if any, is used too. A plain
+            weight must be the whole vocabulary (``out_features`` rows).
         labels: ``[B, L]`` token ids, ``-100`` ignored.
         options: the loss options (``reduction`` is ``"sum"`` here whatever it says;
             ``ignore_index`` defaults to -100).
@@ -80,6 +90,14 @@ def lm_head_loss(
     opts = (options or LossOptions()).replace(reduction="sum")
     if _is_fsdp(lm_head):
         lm_head.unshard()  # its parameters are the unsharded (tensor-parallel) ones now
+    if _plain_shard(lm_head):
+        raise ValueError(
+            f"lm_head: its weight is a plain tensor whose rows are not lm_head.out_features "
+            f"({lm_head.out_features}): a shard of the vocabulary whose place nothing states. "
+            "Give the Shard(0) DTensor weight of ColwiseParallel (torchtitan: "
+            "parallelism.spmd_backend='partial_dtensor'), or call the loss with the shard's "
+            "process_group and layout (vocab_parallel.run_loss)"
+        )
     bias = getattr(lm_head, "bias", None)
     if bias is not None:
         opts = opts.replace(bias=bias)
@@ -87,6 +105,42 @@ def lm_head_loss(
     if global_valid_tokens is not None:
         loss = loss / global_valid_tokens
     return loss
+
+
+def _plain_shard(lm_head: nn.Module) -> bool:
+    """Whether ``lm_head``'s weight is a plain tensor of other than ``out_features`` rows:
+    a local shard (torchtitan's ``spmd_types`` backend gives one), whose rows' place in
+    the vocabulary and whose group a plain tensor does not carry."""
+    vocab = getattr(lm_head, "out_features", None)
+    weight = lm_head.weight
+    return (
+        isinstance(vocab, int)
+        and not is_dtensor(weight)
+        and weight.dim() == 2
+        and weight.shape[0] != vocab
+    )
+
+
+def _check_spmd_backend(lm_head: nn.Module) -> None:
+    """Refuse torchtitan's ``spmd_types`` backend under tensor parallelism, the same way on
+    every rank: its ``lm_head`` weight is a plain local shard and its hidden states plain
+    tensors whose gradient it expects rank-local (``Partial`` on the tp axis), neither of
+    which the loss can be told. (At TP 1 the weight is the whole vocabulary: accepted.)"""
+    try:
+        from torchtitan.distributed.spmd_types import spmd_mesh_size
+        from torchtitan.distributed.utils import get_spmd_backend
+    except ImportError:  # a torchtitan without SPMD backends
+        return
+    if get_spmd_backend() != "spmd_types":
+        return
+    if spmd_mesh_size("tp") > 1 or _plain_shard(lm_head):
+        raise ValueError(
+            "parallelism.spmd_backend: 'spmd_types' (torchtitan's default) with tensor "
+            "parallelism gives lm_head a plain local shard of the vocabulary, whose layout "
+            "and group the vocabulary-parallel loss cannot read; set "
+            "parallelism.spmd_backend='partial_dtensor' (lm_head ColwiseParallel: a Shard(0) "
+            "DTensor weight). At tensor_parallel_degree 1 either backend works"
+        )
 
 
 # The torchtitan component, made when first asked for (it subclasses torchtitan's class).
@@ -129,6 +183,12 @@ def _make_component() -> type:
                 **{name: getattr(config, name) for name in _OPTION_FIELDS},
             )
 
+        def set_lm_head(self, lm_head: nn.Module) -> None:
+            """As ``ChunkedLossWrapper.set_lm_head``; refuses a tensor-parallel ``lm_head``
+            of torchtitan's ``spmd_types`` backend at once (``parallelism.spmd_backend``)."""
+            _check_spmd_backend(lm_head)
+            self.lm_head = lm_head
+
         def __call__(
             self,
             pred: torch.Tensor,
@@ -142,6 +202,7 @@ def _make_component() -> type:
                     "trainer does) and build the model with _skip_lm_head=True"
                 )
             del loss_inputs  # e.g. positions: nothing a per-token loss needs
+            _check_spmd_backend(self.lm_head)  # the tp mesh is known inside the step only
             loss = lm_head_loss(pred, self.lm_head, labels, global_valid_tokens, self.options)
             return loss, {}
 

@@ -342,3 +342,30 @@ def test_gpt_model_tp2_equals_megatron():
     for key in (k for k in per_rank[0] if k.startswith("train")):  # [b, s] alike on ranks
         for a, b in zip(per_rank[0][key]["losses"], per_rank[1][key]["losses"], strict=True):
             assert (abs(a - b)).max() == 0.0, key
+
+
+@pytest.mark.slow
+@needs_megatron
+def test_docs_cpu_example_runs_on_two_ranks(tmp_path):
+    """docs/integrations.md's Megatron-on-CPU example, as pasted, under torchrun from the
+    repository root: both ranks print the same loss."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "integrations.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    (code,) = [b for b in blocks if "megatron_on_cpu" in b]
+    script = tmp_path / "megatron_cpu.py"
+    script.write_text(code)
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["--redirects", "1", "--log-dir", str(logs), str(script)]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=root)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    printed = "".join(f.read_text() for f in sorted(logs.rglob("stdout.log")))
+    assert out.returncode == 0, printed[-3000:] + out.stderr[-3000:]
+    losses = re.findall(r"rank \d: loss (\S+)", printed)
+    assert len(losses) == 2 and losses[0] == losses[1], printed

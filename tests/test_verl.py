@@ -223,3 +223,22 @@ def test_gpt_model_tp2_processor_matches_verls_megatron_path():
     for result in run_ranks(_gpt_tp2, 2):
         for (sp, tied), (error, where) in result.items():
             assert error < 1e-5, (f"sequence_parallel={sp}, tied={tied}", where, error)
+
+
+def test_docs_patch_verl_snippet_runs_in_a_no_deps_install():
+    """docs/integrations.md's way to try ``patch_verl()`` without ray, as pasted, from the
+    repository root (``import verl`` itself needs ray, which the tests do not install)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "integrations.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    (code,) = [b for b in blocks if "patch_verl()" in b]
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "verl.utils.kernel.linear_cross_entropy.linear_cross_entropy" in out.stdout

@@ -22,15 +22,6 @@ from vocab_parallel.interface import Grads, Outputs
 MakeG = Callable[[int, int, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
 
 
-def chunk_columns(bt: int, v: int, chunk_bytes: int, h: int = 0) -> int:
-    """Columns per vocabulary chunk of the torch backend: an fp32 ``[bt, cols]`` chunk of
-    logits, and the fp32 ``[cols, h]`` product of ``grad_weight``'s rows, each fit
-    ``chunk_bytes``; a multiple of 64, at least 256, at most ``v``."""
-    cols = chunk_bytes // max(1, bt * 4, h * 4)
-    cols = max(256, cols // 64 * 64)
-    return max(1, min(v, cols))
-
-
 def gradient_products(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vocab_parallel import precision
+from vocab_parallel import memory, precision
 from vocab_parallel import sequence_parallel as _sp
 from vocab_parallel.agreement import _checksum
 from vocab_parallel.autograd import guarded_backward, no_autocast, sum_grad_input
@@ -51,17 +51,12 @@ from vocab_parallel.distill_stats import (
 from vocab_parallel.distributed import all_reduce, world_size
 from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.entry import autocast_inputs, prepare_call
-from vocab_parallel.grad_in_forward import chunk_rows
 from vocab_parallel.interface import Outputs
 from vocab_parallel.options import LossOptions
 from vocab_parallel.reduction import mean_denominator, reduce_losses
 from vocab_parallel.stats import Call
 
 __all__ = ["DIVERGENCES", "vocab_parallel_distillation_loss"]
-
-# Bytes of one head's fp32 [rows, V_local] logits chunk kept by grad_in_forward (two heads).
-GIF_CHUNK_BYTES = {"cpu": 128 * 1024 * 1024}
-GIF_DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
 
 
 def vocab_parallel_distillation_loss(
@@ -460,7 +455,7 @@ def _products(call, spec, hidden, weight, bias, student, tea, terms, cols, inv_t
         t = None if tea is None else tea.chunk(v0, v1)
         return gradient_chunk(spec, terms, z, t, inv_t, scale_d, scale_ce, cols, v0, v1, cap)
 
-    cv = chunk_columns(hidden.shape[0], weight.shape[0])
+    cv = chunk_columns(hidden.shape[0], weight.shape[0], hidden.device.type)
     if kept is not None:
         make_g, cv = kept.gradient(terms, scale_d, scale_ce, cols), kept.cv
     else:  # the Triton kernel of a dense teacher's G, where it applies
@@ -632,8 +627,7 @@ def _walk(call, spec, hidden, weight, bias, teacher, cols, ignored, token_grad, 
     grad_weight = fill(weight.shape, **f) if needs[1] else None
     grad_bias = fill(v, **f) if needs[2] else None
     heads = 1 if spec.sparse else 2
-    budget = GIF_CHUNK_BYTES.get(hidden.device.type, GIF_DEFAULT_CHUNK_BYTES)
-    rows = chunk_rows(n, call.layout.global_size, world, hidden.device.type, budget)
+    rows = memory.token_rows(n, call.layout.global_size, world, hidden.device.type, heads)
     bufs = [torch.empty((min(rows, n), v), **f) for _ in range(heads)] + [None]
     losses = torch.zeros(n, **f)
     parts = []

@@ -49,41 +49,14 @@ import dataclasses
 
 import torch
 
-from vocab_parallel import precision
+from vocab_parallel import memory, precision
 from vocab_parallel.autograd import guarded_backward, no_autocast, shard_gradients, sum_grad_input
 from vocab_parallel.distributed import all_reduce, all_reduce_async, world_size
 from vocab_parallel.reduction import mean_denominator
 from vocab_parallel.stats import Call, RowStats, forward_stats, local_targets, reduce_statistics
 
-# Bytes of the fp32 [R, V_local] logits chunk, per device type: 128 MiB keeps CPU GEMMs
-# near their best rate (256 rows at V_local = 131072: 14% faster than 128 rows) with less
-# extra memory than DeepSpeed's chunked loss; GPUs need taller chunks for the
-# grad_weight GEMM (K = R) to run at tensor-core speed.
-CHUNK_BYTES = {"cpu": 128 * 1024 * 1024}
-DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
-# At most this many rows per chunk: on CPUs GEMMs of 512 rows already run near their best
-# rate, and taller chunks only cost memory (the chunk is sized for V_local, which shrinks
-# with more ranks).
-MAX_ROWS = {"cpu": 512}
-
 # Overlap each chunk's grad_input all-reduce with the next chunk (same result either way).
 OVERLAP = True
-
-
-def chunk_rows(
-    tokens: int, global_size: int, world: int, device_type: str, chunk_bytes: int | None = None
-) -> int:
-    """Token rows per chunk: an fp32 ``[rows, ceil(global_size / world)]`` chunk (an even
-    share of the vocabulary) fits
-    ``chunk_bytes`` (the device's default), at most the device's :data:`MAX_ROWS`; at
-    least one row, at most ``tokens``, a multiple of 64 when above 64. The same on every
-    rank of the group."""
-    budget = chunk_bytes or CHUNK_BYTES.get(device_type, DEFAULT_CHUNK_BYTES)
-    per_row = 4 * max(1, -(-global_size // max(1, world)))
-    rows = max(1, min(budget // per_row, MAX_ROWS.get(device_type, tokens)))
-    if rows > 64:
-        rows = rows // 64 * 64
-    return max(1, min(tokens, rows))
 
 
 class GradInForwardLinearCE(torch.autograd.Function):
@@ -130,7 +103,7 @@ class GradInForwardLinearCE(torch.autograd.Function):
         per_token = {k: torch.empty(bt, **f) for k in fields}
         weight_sum = None
 
-        rows = chunk_rows(bt, call.layout.global_size, world, device.type)
+        rows = memory.token_rows(bt, call.layout.global_size, world, device.type)
         chunk = torch.empty((min(rows, bt), weight.shape[0]), **f)
         waits = []  # the grad_input all-reduces in flight
         for r0 in range(0, bt, rows):

@@ -690,6 +690,116 @@ def test_topk_errors_name_the_parameter():
         assert str(err.value).startswith(param + ":"), str(err.value)
 
 
+# ------------------------------------------------ a top-k teacher's tail (issue 37, item 3)
+# The student's mass off the teacher's ids, 1 - P, comes from a log-sum-exp over those
+# columns: where the student is sure of the ids, 1 - P in fp32 is 0 (and the tail bin's
+# log(1 - P) -inf) although it is e^-40 or so. A tail r <= 0 (the k log-probs summing to 1
+# up to rounding) or no column off the ids (k = V) gives no tail bin.
+
+
+def _tail_problem(name: str):
+    """``(hidden [N, H], weight [V, H], ids [N, k], logprobs [N, k])``, fp32."""
+    if name == "issue":  # logits [20, 0, -20, -20], a tail of 1e-4: float64 gives 7.32799
+        x, w = torch.tensor([[20.0, 0.0, -20.0, -20.0]]), torch.eye(4)
+        ids = torch.tensor([[0, 1]])
+        return x, w, ids, torch.tensor([[0.6, 0.3999]], dtype=torch.float64).log().float()
+    g = torch.Generator().manual_seed(7)
+    v, h, n = (12, 8, 12) if name == "k_equals_v" else (37, 8, 16)
+    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 3
+    xt, wt = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 3
+    if name == "k_equals_v":  # the README's recipe with k = V: rounding tails of ~6e-8
+        top = torch.log_softmax(xt @ wt.T, -1).topk(v, dim=-1)
+        return x, w, top.indices, top.values
+    # A sure student (1 - P below fp32's rounding of 1) and a teacher on the student's
+    # top-4 ids whose log-probs sum to 1 - 1e-4, 1 - 1e-7, 1 or 1 + 1e-7.
+    w = w * 4
+    ids = (x @ w.T).topk(4, dim=-1).indices
+    lps = torch.log_softmax(torch.randn(n, 4, generator=g, dtype=torch.float64), -1)
+    mass = torch.tensor([1 - 1e-4, 1 - 1e-7, 1.0, 1 + 1e-7], dtype=torch.float64)
+    return x, w, ids, (lps + mass.repeat(n // 4).log()[:, None]).float()
+
+
+def _tail_errors(group, backend: str, name: str) -> list[str]:
+    """The top-k teacher of ``name`` on this rank's shard, in every mode, against the
+    float64 reference on materialised logits: each token's loss within 1e-4 of it
+    (relative), the gradients within 1e-4 of the largest; with k = V, the dense forward
+    KL of the teacher's own log-probs."""
+    world = 1 if group is None else torch.distributed.get_world_size(group)
+    rank = 0 if group is None else torch.distributed.get_rank(group)
+    x, w, ids, lps = _tail_problem(name)
+    lo, hi = shard_bounds(w.shape[0], world)[rank]
+    up = torch.linspace(0.5, 1.5, x.shape[0], dtype=torch.float64)
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    teacher = dict(teacher_topk_ids=ids, teacher_topk_logprobs=lps)
+    ref = distillation_reference(x64, w64, **teacher, reduction="none")
+    errors = []
+    if name == "k_equals_v":  # the dense forward KL of the same log-probs
+        lt = torch.zeros(ids.shape, dtype=torch.float64).scatter_(1, ids, lps.double())
+        ls = torch.log_softmax(x64 @ w64.T, -1)
+        dense = torch.nn.functional.kl_div(ls, lt, reduction="none", log_target=True).sum(-1)
+        if _rel(ref, dense) > 1e-12:
+            errors.append(f"the reference with k = V: rel error {_rel(ref, dense):.2e}")
+    for mode in ("memory_saving", "high_performance", "grad_in_forward"):
+        scalar = mode == "grad_in_forward"  # (a scalar loss: the sum)
+        hidden, weight = x.clone().requires_grad_(True), w[lo:hi].clone().requires_grad_(True)
+        loss = vp.vocab_parallel_distillation_loss(
+            hidden, weight, **teacher, process_group=group, backend=backend, mode=mode,
+            reduction="sum" if scalar else "none",
+        )  # fmt: skip
+        (loss if scalar else loss * up.float()).sum().backward()
+        want = ref.sum() if scalar else ref
+        grads64 = torch.autograd.grad((want if scalar else want * up).sum(), (x64, w64),
+                                      retain_graph=True)  # fmt: skip
+        tag = f"{name} {backend} {mode}"
+        err = (loss.detach().double() - want.detach()).abs() / want.detach().abs()
+        if not bool(torch.isfinite(loss).all()) or float(err.max()) > 1e-4:
+            errors.append(f"{tag}: loss {loss.tolist()}, float64 {want.tolist()}")
+        got = (("hidden", hidden.grad, grads64[0]), ("weight", weight.grad, grads64[1][lo:hi]))
+        for what, grad, grad64 in got:
+            if not bool(torch.isfinite(grad).all()) or _rel(grad, grad64) > 1e-4:
+                errors.append(f"{tag}: grad_{what} rel error {_rel(grad, grad64):.2e}")
+    return errors
+
+
+TAIL_BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is not installed"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", TAIL_BACKENDS)
+@pytest.mark.parametrize("name", ["issue", "k_equals_v", "sure_student"])
+def test_topk_small_tail_is_finite_and_exact(name, backend):
+    assert _tail_errors(None, backend, name) == []
+
+
+def test_topk_with_k_equal_to_v_is_the_dense_forward_kl():
+    """The README's recipe with k = V gives the dense teacher's loss, token by token."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g) * 3
+    xt, wt = torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g) * 3
+    top = torch.log_softmax(xt @ wt.T, -1).topk(12, dim=-1)
+    sparse = vp.vocab_parallel_distillation_loss(
+        x, w, teacher_topk_ids=top.indices, teacher_topk_logprobs=top.values, reduction="none"
+    )
+    dense = vp.vocab_parallel_distillation_loss(
+        x, w, teacher_hidden=xt, teacher_weight=wt, reduction="none"
+    )
+    torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
+
+
+def _tails_on_ranks(group):
+    backends = ["torch"] + (["triton"] if HAS_TRITON else [])
+    names = ("issue", "k_equals_v", "sure_student")
+    return [e for b in backends for n in names for e in _tail_errors(group, b, n)]
+
+
+@pytest.mark.slow
+def test_topk_small_tail_on_two_ranks():
+    """The mass off the ids is global (its log-sum-exp over every rank's columns): the
+    issue's V = 4 on 2 ranks puts the ids on rank 0 and the tail's columns on rank 1."""
+    errors = [e for rank in run_ranks(_tails_on_ranks, 2) for e in rank]
+    assert errors == [], "\n".join(errors[:10])
+
+
 def _head_against_function(group=None) -> list[str]:
     """``head.distillation_loss`` of two heads (hidden sizes 12 and 20) against the
     function on the same shards; the teacher's parameters get no gradient."""

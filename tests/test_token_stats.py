@@ -5,6 +5,7 @@ k larger than a shard, gradcheck, determinism, errors on every rank, memory flat
 
 from __future__ import annotations
 
+import itertools
 import textwrap
 from dataclasses import dataclass, replace
 
@@ -290,6 +291,75 @@ def test_head_token_stats_matches_the_function():
 
 
 # ---------------------------------------------------------------- multi-rank (gloo)
+
+
+def _zero_token_errors(group, backend: str, sequence_parallel: bool = False) -> list[str]:
+    """Token statistics of no tokens (``[0, H]``, ``[2, 0, H]``) with top-k and argmax
+    asked for: every field empty, of the shape and dtype that a call on 3 tokens gives
+    (less the token dims), and a backward that gives zero-size or zero gradients."""
+    world = 1 if group is None else torch.distributed.get_world_size(group)
+    rank = 0 if group is None else torch.distributed.get_rank(group)
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(11, 8, generator=g), torch.randn(11, generator=g)
+    lo, hi = shard_bounds(11, world)[rank]
+    errors = []
+    asks = (dict(top_k=3), dict(argmax=True),
+            dict(top_k=2, argmax=True, entropy=True, sum_p_squared=True))  # fmt: skip
+    for tokens in ((0,), (2, 0)):
+        for ask, mode in itertools.product(asks, ("memory_saving", "high_performance")):
+
+            def run(tok, ask=ask, mode=mode):
+                h = torch.randn(*tok, 8, generator=g).requires_grad_(True)
+                weight, bias = (t[lo:hi].clone().requires_grad_(True) for t in (w, b))
+                out = vp.vocab_parallel_token_stats(
+                    h, weight, torch.zeros(tok, dtype=torch.int64), bias=bias, mode=mode,
+                    process_group=group, sequence_parallel=sequence_parallel,
+                    backend=backend, **ask,
+                )  # fmt: skip
+                ent = 0.0 if out.entropy is None else out.entropy.sum()
+                (out.logprobs.sum() + ent).backward()
+                return out, (h, weight, bias)
+
+            tag = f"{tokens} {ask} {mode} {backend}"
+            try:
+                out, leaves = run(tokens)
+            except RuntimeError as err:
+                errors.append(f"{tag}: {err}")
+                continue
+            full, _ = run((3,))
+            for name, got, want in zip(out._fields, out, full, strict=True):
+                if (got is None) != (want is None):
+                    errors.append(f"{tag}: {name} {got} but {want} on 3 tokens")
+                elif got is not None and (
+                    got.dtype != want.dtype or got.shape != (*tokens, *want.shape[1:])
+                ):
+                    errors.append(f"{tag}: {name} {got.dtype} {tuple(got.shape)}")
+            for leaf in leaves:
+                if leaf.grad is None or leaf.grad.shape != leaf.shape or leaf.grad.any():
+                    errors.append(f"{tag}: a gradient {leaf.grad} of {tuple(leaf.shape)}")
+    return errors
+
+
+ZERO_BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is not installed"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ZERO_BACKENDS)
+def test_zero_tokens_with_top_k_and_argmax(backend):
+    assert _zero_token_errors(None, backend) == []
+
+
+def _zero_tokens_on_ranks(group):
+    backends = ["torch"] + (["triton"] if HAS_TRITON else [])
+    errors = [e for b in backends for e in _zero_token_errors(group, b)]
+    return errors + _zero_token_errors(group, "torch", sequence_parallel=True)
+
+
+@pytest.mark.slow
+def test_zero_tokens_with_top_k_and_argmax_on_two_ranks():
+    """Every rank without tokens: the candidates' all-gather is of ``[0, 2k]``."""
+    errors = [e for rank in run_ranks(_zero_tokens_on_ranks, 2) for e in rank]
+    assert errors == [], "\n".join(errors[:10])
 
 
 def _check_all(group, cases):

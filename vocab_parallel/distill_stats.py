@@ -189,6 +189,20 @@ class LocalStats(NamedTuple):
     ce: _Online | None
     predicted: torch.Tensor | None
     at_ids: torch.Tensor | None
+    # Top-k teacher: the student's ``u`` off the teacher's ids (the tail bin's columns),
+    # and how many columns that is per row.
+    outside: _Online | None = None
+    outside_columns: torch.Tensor | None = None
+
+
+def _id_columns(ids: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
+    """``[rows, v1 - v0]`` bool: which columns of the chunk are one of the row's ``ids``
+    (local columns, -1 elsewhere). Ids off the chunk write into one extra column, cut
+    off, so every write is ``True`` (no clamped index overwrites a real one)."""
+    here = (ids >= v0) & (ids < v1)
+    pos = torch.where(here, ids - v0, v1 - v0)
+    mask = torch.zeros((ids.shape[0], v1 - v0 + 1), dtype=torch.bool, device=ids.device)
+    return mask.scatter_(1, pos, True)[:, :-1]
 
 
 def local_statistics(
@@ -211,11 +225,13 @@ def local_statistics(
     scaled = inv_t is not None
     ce = _Online(rows, 0, accum, device) if spec.ce and scaled else None
     predicted = torch.zeros(rows, dtype=accum, device=device) if spec.ce else None
-    at_ids = None
+    at_ids = outside = count = None
     if spec.sparse:
         at_ids = torch.zeros(cols.ids.shape, dtype=accum, device=device)
+        outside = _Online(rows, 0, accum, device)
+        count = (v - (cols.ids >= 0).sum(dim=1)).to(accum)
     if rows == 0 or v == 0:
-        return LocalStats(stu, tea, ce, predicted, at_ids)
+        return LocalStats(stu, tea, ce, predicted, at_ids, outside, count)
     if fused_statistics(spec, student, teacher):
         return _fused_statistics(spec, student, teacher, inv_t, cols)
     it = None if inv_t is None else inv_t[:, None]
@@ -228,6 +244,7 @@ def local_statistics(
             stu.add(u)
             here, idx = _in_chunk(cols.ids, v0, v1)
             at_ids += torch.where(here, u.gather(1, idx), 0.0)
+            outside.add(u.masked_fill(_id_columns(cols.ids, v0, v1), -math.inf))
         else:
             t = teacher.chunk(v0, v1)
             vt = t if it is None else t * it
@@ -245,7 +262,7 @@ def local_statistics(
             predicted += torch.where(here, z.gather(1, idx[:, None]).squeeze(1), 0.0)
             if ce is not None:
                 ce.add(z)
-    return LocalStats(stu, tea, ce, predicted, at_ids)
+    return LocalStats(stu, tea, ce, predicted, at_ids, outside, count)
 
 
 def fused_statistics(spec: Spec, student: HeadLogits, teacher: HeadLogits | None) -> bool:
@@ -292,7 +309,8 @@ class RowTerms(NamedTuple):
     (None without), the student's (tempered) and the teacher's log-normalisers ``ls``,
     ``lt``, the untempered one ``l1`` (CE, T != 1), and the divergence's constant of
     its gradient ``coef`` (reverse KL: ``lt - ls - d``; JSD: ``KL(p_s || m)``; top-k:
-    ``alpha``, the factor of ``p_s`` off the ids), top-k: the teacher's ``q = exp(lp)``."""
+    ``log(r / (1 - P))``, the tail bin's pull off the ids), top-k: the teacher's ``q =
+    exp(lp)``."""
 
     d: torch.Tensor
     ce: torch.Tensor | None
@@ -306,11 +324,11 @@ class RowTerms(NamedTuple):
 def reduce_statistics(spec: Spec, stats: LocalStats, teacher: Teacher, group) -> RowTerms:
     """The MAX and the SUM all-reduce of the local statistics, and the per-row terms
     (top-k divergence included; the JSD's needs :func:`jsd_sums` next)."""
-    heads = [h for h in (stats.student, stats.teacher, stats.ce) if h is not None]
+    heads = [stats.student, stats.teacher, stats.ce, stats.outside]
+    heads = [h for h in heads if h is not None]
     maxes = all_reduce(torch.stack([h.m for h in heads]), "MAX", group, "logits maxima")
     parts = [r for h, m in zip(heads, maxes, strict=True) for r in h.rescaled(m)]
-    if stats.predicted is not None:
-        parts.append(stats.predicted)
+    parts += [t for t in (stats.predicted, stats.outside_columns) if t is not None]
     rows = [p[None, :] for p in parts]
     if stats.at_ids is not None:
         rows.append(stats.at_ids.t())
@@ -331,30 +349,48 @@ def reduce_statistics(spec: Spec, stats: LocalStats, teacher: Teacher, group) ->
             coef = lt - ls - d
     l1 = None
     if stats.ce is not None:
-        l1 = maxes[-1] + torch.log(next(it))
+        l1 = maxes[1 + (stats.teacher is not None)] + torch.log(next(it))
+    s_out = None if stats.outside is None else next(it)
     ce = None
     if stats.predicted is not None:
         ce = (ls if l1 is None else l1) - next(it)
     if spec.sparse:
+        outside_columns = next(it)
         at_ids = sums[-stats.at_ids.shape[1] :].t() if stats.at_ids.shape[1] else stats.at_ids
-        d, coef, q = _topk_divergence(teacher.logprobs, at_ids - ls[:, None])
+        # Relative to the student's maximum (its logits' own rounding, not that of ls).
+        log_s = torch.log(s_s)
+        ls_ids = (at_ids - maxes[0][:, None]) - log_s[:, None]
+        log_out = (maxes[-1] - maxes[0]) + (torch.log(s_out) - log_s)
+        d, coef, q = _topk_divergence(teacher.logprobs, ls_ids, log_out, outside_columns > 0)
     return RowTerms(d, ce, ls, lt, l1, coef, q)
 
 
-def _topk_divergence(lp: torch.Tensor, ls_ids: torch.Tensor):
-    """``(d, alpha, q)`` of the forward KL against a top-k teacher (``lp``: its log-probs,
-    ``ls_ids``: the student's at the same ids): the k bins and the tail bin
-    ``r (log r - log(1 - P))``, ``r = 1 - sum q``, ``P = sum p_s`` at the ids (0 when
-    ``r = 0``); ``alpha = 1 - r / (1 - P)`` is the gradient's factor of ``p_s`` off the ids."""
+def _topk_divergence(lp, ls_ids, log_out, has_outside):
+    """``(d, coef, q)`` of the forward KL against a top-k teacher (``lp``: its log-probs,
+    ``ls_ids``: the student's at the same ids, ``log_out``: the log of the student's mass
+    off the ids from a log-sum-exp over those columns): the k bins and the tail bin ``r
+    (log r - log(1 - P))``, ``r = 1 - sum q``, ``P = sum p_s`` at the ids. ``log(1 - P)``
+    is ``log1p(-P)`` where ``P <= 1/2`` (its rounding then cancels that of ``ls_ids``
+    where the student is near the teacher) and ``log_out`` above (``1 - P`` would cancel
+    there); ``r`` is summed in float64 (``[N, k]``). The tail bin is 0 where ``r <= 0``
+    (the k log-probs sum to 1, up to rounding) or where it has no columns (``has_outside``
+    False: k = V), so that k = V is the dense forward KL. ``coef = log(r / (1 - P))``
+    (``-inf`` without the tail bin): off the ids the gradient is ``p_s - e^(log p_s +
+    coef)``."""
     q = torch.exp(lp)
     d = (q * torch.where(q > 0, lp - ls_ids, 0.0)).sum(dim=1)
-    r = (1.0 - q.sum(dim=1)).clamp(min=0.0)
+    # r in float64: 1 - sum q cancels (a tail of 1e-4 in fp32 is off by 6e-4 of itself,
+    # and the gradient off the ids is r times p_s / (1 - P)).
+    r = (1.0 - torch.exp(lp.to(torch.float64)).sum(dim=1)).to(lp.dtype)
+    tail = (r > 0) & has_outside
     p = torch.exp(ls_ids).sum(dim=1)
-    log_tail = torch.log1p(-p.clamp(max=1.0))
-    tail = r > 0
-    d = d + torch.where(tail, r * (torch.log(torch.where(tail, r, 1.0)) - log_tail), 0.0)
-    alpha = torch.where(tail, 1.0 - r / torch.exp(log_tail), 1.0)
-    return d, alpha, q
+    log_out = torch.where(p <= 0.5, torch.log1p(-p.clamp(max=0.5)), log_out)
+    log_r = torch.log(torch.where(tail, r, 1.0))
+    d = d + torch.where(tail, r * (log_r - log_out), 0.0)
+    # Where the student has no mass off the ids (-inf logits) the loss is inf, as it is
+    # exactly; the gradient stays p_s - q (finite).
+    coef = torch.where(tail & (log_out > -math.inf), log_r - log_out, -math.inf)
+    return d, coef, q
 
 
 def jsd_sums(
@@ -417,7 +453,8 @@ def gradient_chunk(
 
     with ``dD/du`` of the divergence (``docs/design.md``, "Distillation"): forward KL
     ``p_s - p_t``; reverse KL ``p_s (u - v + coef)``; JSD ``(1 - beta) p_s (log p_s -
-    log m - coef)``; top-k ``alpha p_s``, plus ``(1 - alpha) p_s - q`` at the ids.
+    log m - coef)``; top-k ``p_s - q`` at the ids, ``p_s - e^(log p_s + coef)`` off them
+    (``coef = log(r / (1 - P))``, :func:`_topk_divergence`).
     ``scale_d``, ``scale_ce``: per row, the upstream gradient times ``1 - a`` and ``a``
     (0 for ignored rows). ``z`` is read, never written (it may be saved logits)."""
     it = None if inv_t is None else inv_t[:, None]
@@ -428,10 +465,12 @@ def gradient_chunk(
     ls = u - terms.ls[:, None]
     ps = torch.exp(ls)
     if spec.sparse:
-        g = ps * terms.coef[:, None]
+        # Off the ids: p_s - e^(log p_s + coef) (no p_s r / (1 - P): p_s may underflow
+        # where 1 - P does; its share of 1 - P does not). ``ls`` becomes that term.
+        off = ls.add_(terms.coef[:, None]).exp_().masked_fill_(_id_columns(cols.ids, v0, v1), 0)
+        g = torch.sub(ps, off, out=off)
         here, idx = _in_chunk(cols.ids, v0, v1)
-        extra = (1.0 - terms.coef[:, None]) * ps.gather(1, idx) - terms.q
-        g.scatter_add_(1, idx, torch.where(here, extra, 0.0))
+        g.scatter_add_(1, idx, torch.where(here, -terms.q, 0.0))
     else:
         vt = t if it is None else t * it
         lt = vt - terms.lt[:, None]

@@ -256,8 +256,13 @@ def distillation_reference(
         ls_ids = ls.gather(1, ids)
         d = torch.where(q > 0, q * (lp - ls_ids), 0.0).sum(-1)
         r = (1 - q.sum(-1)).clamp(min=0)
-        tail = torch.log1p(-ls_ids.exp().sum(-1))
-        d = d + torch.where(r > 0, r * (torch.log(torch.where(r > 0, r, 1.0)) - tail), 0.0)
+        # log(1 - P), the student's mass off the ids, as a log-sum-exp over those columns
+        # (1 - P cancels even in float64); no tail bin where there are none (k = V).
+        off = torch.ones_like(ls, dtype=torch.bool).scatter_(1, ids, False)
+        some = off.any(-1)
+        tail = torch.logsumexp(ls.masked_fill(~off, -math.inf).masked_fill(~some[:, None], 0.0), -1)
+        live = (r > 0) & some
+        d = d + torch.where(live, r * (torch.log(torch.where(live, r, 1.0)) - tail), 0.0)
     loss = d
     if hard_label_weight:
         ce = F.cross_entropy(z, target.reshape(-1), ignore_index=ignore_index, reduction="none")

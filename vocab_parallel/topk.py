@@ -152,7 +152,7 @@ def exchange_candidates(
     result on every rank."""
     packed = torch.cat([values.to(torch.float64), ids.to(torch.float64)], dim=1)
     gathered = all_gather(packed, process_group, "top-k candidates")  # [ranks, BT, 2k]
-    bt = values.shape[0]
-    all_values = gathered[:, :, :k].permute(1, 0, 2).reshape(bt, -1).to(values.dtype)
-    all_ids = gathered[:, :, k:].permute(1, 0, 2).reshape(bt, -1).to(torch.int64)
+    bt, n = values.shape[0], gathered.shape[0] * k  # n given: no -1 to infer at BT = 0
+    all_values = gathered[:, :, :k].permute(1, 0, 2).reshape(bt, n).to(values.dtype)
+    all_ids = gathered[:, :, k:].permute(1, 0, 2).reshape(bt, n).to(torch.int64)
     return best_of(all_values, all_ids, k)

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vocab_parallel as vp
 from vocab_parallel import autograd as loss_module  # the loss's autograd Function
-from vocab_parallel import precision, torch_backend
+from vocab_parallel import memory, precision, torch_backend
 from vocab_parallel.interface import PLAIN, GradTerms, Outputs
 
 BT, H, V = 24, 20, 50  # distinct, so the shape of a product tells which product it is
@@ -284,7 +284,7 @@ def _backend_module(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_backends_share_one_interface_and_chunking_is_invisible(backend, mode, dtype):
+def test_backends_share_one_interface_and_chunking_is_invisible(backend, mode, dtype, monkeypatch):
     bt, h, v = 37, 20, 700
     case = make_case(bt, h, v, dtype=dtype, mode=mode, seed=8, label_smoothing=0.1)
     # Targets spread over every chunk, including the last, short one; some rows elsewhere.
@@ -293,15 +293,14 @@ def test_backends_share_one_interface_and_chunking_is_invisible(backend, mode, d
     local = target.masked_fill(case.not_here, -1)
     module = _backend_module(backend)
 
-    def run(chunk_bytes, **flags):
+    def run(workspace, **flags):
+        monkeypatch.setitem(memory.WORKSPACE_BYTES, DEVICE.type, workspace)
         terms = GradTerms(
             case.grad, 0.9, 0.1 / v, None, None,
             case.logits_max, case.sum_exp_logits, case.softmax,
         )  # fmt: skip
         out = Outputs(**flags)
-        return module.fused_backward(
-            case.input, case.weight, local, PLAIN, terms, out, chunk_bytes=chunk_bytes
-        )[:2]
+        return module.fused_backward(case.input, case.weight, local, PLAIN, terms, out)[:2]
 
     chunked, whole = run(1), run(1 << 30)
     assert_matches_reference(chunked, case.reference(), dtype)

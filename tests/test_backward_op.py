@@ -22,11 +22,11 @@ from helpers import (
 
 from vocab_parallel import (
     fused_linear_cross_entropy_loss_grad,
+    memory,
     pack_target_mask,
     shard_bounds,
     torch_backend,
 )
-from vocab_parallel.chunking import chunk_columns
 from vocab_parallel.interface import PLAIN, GradTerms, Outputs
 from vocab_parallel.reference import global_statistics
 
@@ -274,13 +274,12 @@ def _stats(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_torch_backend_chunks_equal_one_chunk(mode, dtype):
+def test_torch_backend_chunks_equal_one_chunk(mode, dtype, monkeypatch):
     bt, h, v = 5, 24, 700
-    assert math.ceil(v / chunk_columns(bt, v, 1)) >= 3  # several chunks
-    assert chunk_columns(bt, v, torch_backend.CHUNK_BYTES) == v  # default: one chunk
+    assert memory.columns(bt, v, DEVICE.type, "logits") == v  # default: one chunk
     case = make_case(bt, h, v, dtype=dtype, mode=mode, seed=8, label_smoothing=0.1)
 
-    def run(case, chunk_bytes):
+    def run(case):
         lmax, lsum, softmax = _stats(case)
         terms = GradTerms(case.grad, 0.9, 0.1 / v, None, None, lmax, lsum, softmax)
         return torch_backend.fused_backward(
@@ -290,10 +289,12 @@ def test_torch_backend_chunks_equal_one_chunk(mode, dtype):
             PLAIN,
             terms,
             Outputs(),
-            chunk_bytes=chunk_bytes,
         )[:2]
 
-    chunked, whole = run(case, 1), run(case, torch_backend.CHUNK_BYTES)
+    whole = run(case)
+    monkeypatch.setitem(memory.WORKSPACE_BYTES, DEVICE.type, 1)  # the narrowest chunks
+    assert math.ceil(v / memory.columns(bt, v, DEVICE.type, "logits")) >= 3  # several
+    chunked = run(case)
     assert_matches_reference(chunked, case.reference(), dtype)
     for a, b in zip(chunked, whole, strict=True):
         close_to_reference(a, b.double(), dtype)
@@ -302,22 +303,20 @@ def test_torch_backend_chunks_equal_one_chunk(mode, dtype):
         masked_target=torch.full((bt,), v - 3, device=DEVICE),
         not_here=torch.zeros(bt, dtype=torch.bool, device=DEVICE),
     )
-    assert_matches_reference(run(late, 1), late.reference(), dtype)
+    assert_matches_reference(run(late), late.reference(), dtype)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
-def test_triton_chunks_equal_one_chunk(mode, dtype):
+def test_triton_chunks_equal_one_chunk(mode, dtype, monkeypatch):
     from vocab_parallel.kernels import backward as kernels
 
     bt, h, v = 37, 20, 260
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    assert math.ceil(v / kernels.chunk_columns(bt, v, itemsize, 1)) >= 3  # several chunks
     case = make_case(bt, h, v, dtype=dtype, mode=mode, seed=6, label_smoothing=0.1)
     # Targets spread over every chunk, including the last, short one.
     case = case.with_(masked_target=torch.arange(bt, device=DEVICE) * 7 % v)
 
-    def run(chunk_bytes):
+    def run():
         lmax, lsum, softmax = _stats(case)
         terms = GradTerms(case.grad, 0.9, 0.1 / v, None, None, lmax, lsum, softmax)
         return kernels.fused_backward(
@@ -327,10 +326,14 @@ def test_triton_chunks_equal_one_chunk(mode, dtype):
             PLAIN,
             terms,
             Outputs(),
-            chunk_bytes=chunk_bytes,
         )[:2]
 
-    chunked, whole = run(1), run(kernels.CHUNK_BYTES)
+    whole = run()
+    monkeypatch.setitem(memory.WORKSPACE_BYTES, DEVICE.type, 1)  # the narrowest chunks
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    cv = memory.columns(bt, v, DEVICE.type, "logits", itemsize=itemsize, h=h)
+    assert math.ceil(v / cv) >= 3  # several chunks
+    chunked = run()
     assert_matches_reference(chunked, case.reference(), dtype)
     for a, b in zip(chunked, whole, strict=True):
         close_to_reference(a, b.double(), dtype)

@@ -254,11 +254,11 @@ KEPT = [
 
 @pytest.mark.parametrize("case", KEPT, ids=str)
 def test_grad_in_forward_kept_blocks(case, monkeypatch):
-    from vocab_parallel import distill_stats
+    from vocab_parallel import distill_stats, memory
 
-    monkeypatch.setattr(distill_stats, "KEPT_BLOCK_BYTES", 64 * 4 * case.tokens)
-    assert distill_stats.kept_block_columns(case.tokens, case.vocab) == 64
-    assert check(replace(case, tokens=29, vocab=131)) == []
+    monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", 1)  # the narrowest blocks
+    assert distill_stats.kept_block_columns(case.tokens, case.vocab, "cpu") == 128
+    assert check(replace(case, tokens=29, vocab=291)) == []  # 3 blocks, the last short
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

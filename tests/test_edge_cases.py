@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from multirank import run_ranks
 
 import vocab_parallel as vp
-from vocab_parallel import torch_backend
+from vocab_parallel import memory, torch_backend
 from vocab_parallel.interface import Logits
 
 MODES = ("auto", "grad_in_forward", "memory_saving", "high_performance")
@@ -42,10 +42,11 @@ def test_minus_inf_bias_on_the_first_tiles_is_finite(backend, mode):
     assert (ws.grad.double() - w64.grad).abs().max() < 1e-5
 
 
-def test_torch_backend_minus_inf_first_chunk_of_several():
-    """Several vocabulary chunks (chunk_bytes=1: 256 columns each), the first all -inf."""
+def test_torch_backend_minus_inf_first_chunk_of_several(monkeypatch):
+    """Several vocabulary chunks (the narrowest: 128 columns each), the first two all -inf."""
+    monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", 1)
     x, w, b, y = _masked_problem(v=900, masked=300)
-    stats = torch_backend.forward_stats(x, w, y, Logits(bias=b), chunk_bytes=1)
+    stats = torch_backend.forward_stats(x, w, y, Logits(bias=b))
     z = F.linear(x.double(), w.double(), b.double())
     m = z.max(1).values
     assert torch.isfinite(stats.sum_exp).all()

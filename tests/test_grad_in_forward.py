@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from helpers import BACKENDS, HAS_TRITON
 from multirank import run_ranks
 
-from vocab_parallel import grad_in_forward, vocab_parallel_linear_cross_entropy
-from vocab_parallel.grad_in_forward import GradInForwardLinearCE, chunk_rows
+from vocab_parallel import grad_in_forward, memory, vocab_parallel_linear_cross_entropy
+from vocab_parallel.grad_in_forward import GradInForwardLinearCE
 from vocab_parallel.loss import resolve_mode
+from vocab_parallel.memory import token_rows
 from vocab_parallel.testing import Case, check_case, grid
 
 CPU = torch.device("cpu")
@@ -33,7 +34,7 @@ def small_chunks(rows: int, vocab: int, world: int = 1) -> int:
 @pytest.fixture
 def chunked(monkeypatch):
     """5 token rows per chunk at V=389 (37 tokens: 8 chunks, the last one short)."""
-    monkeypatch.setitem(grad_in_forward.CHUNK_BYTES, "cpu", small_chunks(5, 389))
+    monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", small_chunks(5, 389))
 
 
 def assert_bitwise_equal(a, b, names=("loss", "grad_hidden", "grad_weight")) -> None:
@@ -96,7 +97,7 @@ def test_float64_gradcheck(monkeypatch):
     b = torch.randn(13, generator=gen, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, 13, (11,), generator=gen)
     y[2] = -100
-    monkeypatch.setitem(grad_in_forward.CHUNK_BYTES, "cpu", small_chunks(3, 13))
+    monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", small_chunks(3, 13))
 
     def fn(x, w, b):
         return vocab_parallel_linear_cross_entropy(
@@ -126,24 +127,26 @@ def test_bitwise_deterministic_and_close_to_memory_saving(backend, dtype, chunke
 def test_chunking_changes_only_rounding(monkeypatch):
     """One chunk or eight: the same gradients up to fp32 rounding."""
     one = _run("torch", "grad_in_forward")
-    monkeypatch.setitem(grad_in_forward.CHUNK_BYTES, "cpu", small_chunks(5, 389))
+    monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", small_chunks(5, 389))
     many = _run("torch", "grad_in_forward")
     for a, b in zip(one, many, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_chunk_rows_is_the_same_on_every_rank():
+def test_token_rows_are_the_same_on_every_rank(monkeypatch):
     """Derived from tokens, global vocabulary and world size only (never the local shard),
     so uneven shards still issue the same collectives; a multiple of 64 when large."""
-    assert chunk_rows(4096, 32768, 1, "cpu") == 512  # MAX_ROWS
-    assert chunk_rows(4096, 131072, 1, "cpu") == 256
-    assert chunk_rows(4096, 131072, 2, "cpu") == 512
-    assert chunk_rows(4096, 131072, 4, "cpu") == 512
-    assert chunk_rows(100, 32768, 1, "cpu") == 100
-    assert chunk_rows(4096, 10**9, 1, "cpu") == 1  # never 0
-    assert chunk_rows(0, 389, 1, "cpu") == 1
-    assert chunk_rows(4096, 131072, 1, "cuda") == 1024
-    assert chunk_rows(4096, 389, 4, "cpu", chunk_bytes=small_chunks(7, 389, 4)) == 7
+    assert token_rows(4096, 32768, 1, "cpu") == 512  # MAX_ROWS
+    assert token_rows(4096, 131072, 1, "cpu") == 256
+    assert token_rows(4096, 131072, 2, "cpu") == 512
+    assert token_rows(4096, 131072, 4, "cpu") == 512
+    assert token_rows(100, 32768, 1, "cpu") == 100
+    assert token_rows(4096, 10**9, 1, "cpu") == 1  # never 0
+    assert token_rows(0, 389, 1, "cpu") == 1
+    assert token_rows(4096, 131072, 1, "cuda") == 1024
+    monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", small_chunks(7, 389, 4))
+    assert token_rows(4096, 389, 4, "cpu") == 7
+    assert token_rows(4096, 389, 4, "cpu", heads=2) == 3  # two heads' blocks share it
 
 
 def test_no_vocabulary_rows_on_this_rank_gives_zeros_in_the_callers_buffers():
@@ -329,7 +332,7 @@ def _check_chunked(group, cases, rows, overlap=True):
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
-    grad_in_forward.CHUNK_BYTES["cpu"] = small_chunks(rows, cases[0].vocab, world)
+    memory.WORKSPACE_BYTES["cpu"] = small_chunks(rows, cases[0].vocab, world)
     grad_in_forward.OVERLAP = overlap
     return [check_case(c, group, CPU) for c in cases]
 
@@ -381,7 +384,7 @@ def _overlap_on_and_off(group):
     w = torch.randn(389, 48, generator=gen) * 0.2
     y = torch.randint(0, 389, (64,), generator=gen)
     lo, hi = (0, 195) if rank == 0 else (195, 389)
-    grad_in_forward.CHUNK_BYTES["cpu"] = small_chunks(8, 389, world)
+    memory.WORKSPACE_BYTES["cpu"] = small_chunks(8, 389, world)
     out = []
     for overlap in (True, False):
         grad_in_forward.OVERLAP = overlap

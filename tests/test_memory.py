@@ -32,7 +32,7 @@ CHILD = textwrap.dedent(
     if impl == "grad_in_forward":
         # A chunk budget that binds at both V (else the chunk is 512 rows, growing with V
         # up to the 128 MiB budget): what is checked is everything else staying flat.
-        vp.grad_in_forward.CHUNK_BYTES["cpu"] = 16 << 20
+        vocab_parallel.memory.WORKSPACE_BYTES["cpu"] = 16 << 20
     torch.manual_seed(0)
     x = torch.randn(bt, h).requires_grad_(True)
     w = (torch.randn(v, h) * 0.05).requires_grad_(True)

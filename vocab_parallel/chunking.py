@@ -12,6 +12,7 @@ fixed chunk order and plain GEMMs make the results bitwise deterministic
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,15 +21,6 @@ from vocab_parallel.interface import Grads, Outputs
 
 # make_g(v0, v1, x_op, w_op) -> G[:, v0:v1], fp32 or x.dtype (rounded by the loop).
 MakeG = Callable[[int, int, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
-
-
-def chunk_columns(bt: int, v: int, chunk_bytes: int, h: int = 0) -> int:
-    """Columns per vocabulary chunk of the torch backend: an fp32 ``[bt, cols]`` chunk of
-    logits, and the fp32 ``[cols, h]`` product of ``grad_weight``'s rows, each fit
-    ``chunk_bytes``; a multiple of 64, at least 256, at most ``v``."""
-    cols = chunk_bytes // max(1, bt * 4, h * 4)
-    cols = max(256, cols // 64 * 64)
-    return max(1, min(v, cols))
 
 
 def gradient_products(
@@ -70,32 +62,67 @@ def gradient_products(
     need_bias_grad = out.need_bias
     if need_bias_grad and bias_grad_dtype is None:
         bias_grad_dtype = dtype
-    grad_input_dtype, accumulate = out.grad_input_dtype, out.accumulate
-    grad_input_out, grad_weight_acc = out.grad_input_out, out.grad_weight_acc
-    grad_bias_acc = out.grad_bias_acc
+    grad_input_out = out.grad_input_out
     if not (need_input_grad or need_weight_grad or need_bias_grad):
         return Grads(None, None, None)
-    gi_dtype = grad_input_dtype or dtype
+    gi_dtype = out.grad_input_dtype or dtype
     # H = 0: empty products, but the bias alone still makes logits (and a bias gradient).
     if bt == 0 or v == 0 or (h == 0 and not need_bias_grad):
         return _no_products(x, weight, out, gi_dtype, bias_grad_dtype)
 
     operand = precision.operand_dtype(dtype, device.type)
-    accum = precision.accumulate_dtype(dtype)
     x_op = x.to(operand) if (need_weight_grad or g_reads_operands) else None
-    grad_weight = acc_w = None  # acc_w: the caller's accumulator, else rows are written
+    plan = _plan(x, x_op, v, out, bias_grad_dtype, cv)
+    for v0 in range(0, v, cv):
+        v1 = min(v, v0 + cv)
+        w_op = weight[v0:v1].to(operand) if (need_input_grad or g_reads_operands) else None
+        _chunk_products(plan, make_g(v0, v1, x_op, w_op), v0, v1, w_op)
+    grad_input = None
+    if need_input_grad:
+        grad_input = plan.acc if grad_input_out is not None else plan.acc.to(gi_dtype)
+    return Grads(grad_input, plan.grad_weight, plan.grad_bias)
+
+
+@dataclass
+class _Plan:
+    """The buffers and decisions of one :func:`gradient_products` call."""
+
+    out: Outputs
+    x_op: torch.Tensor | None
+    dtype: torch.dtype  # the inputs'
+    operand: torch.dtype  # of the GEMMs' operands
+    accum: torch.dtype  # of their accumulation and outputs
+    acc: torch.Tensor | None  # fp32 grad_input, accumulated over the chunks
+    grad_weight: torch.Tensor | None
+    acc_w: torch.Tensor | None  # the caller's grad_weight accumulator (else rows are written)
+    grad_bias: torch.Tensor | None
+    acc_b: torch.Tensor | None
+    scratch: torch.Tensor | None  # fp32 products that are not written in place
+    flt: object | None  # the GradientFilter, where a product is made
+    defer_rounding: bool
+    out_h: int  # the hidden size
+
+
+def _plan(x, x_op, v: int, out: Outputs, bias_grad_dtype, cv: int) -> _Plan:
+    """The buffers of :func:`gradient_products` (the caller's where ``out`` has them)."""
+    bt, h = x.shape
+    dtype, device = x.dtype, x.device
+    operand = precision.operand_dtype(dtype, device.type)
+    accum = precision.accumulate_dtype(dtype)
+    need_input_grad, need_weight_grad = out.need_input, out.need_weight
+    grad_weight = acc_w = None
     if need_weight_grad:
-        acc_w = grad_weight_acc
+        acc_w = out.grad_weight_acc
         grad_weight = (
             acc_w if acc_w is not None else torch.empty((v, h), dtype=dtype, device=device)
         )
     acc = None
     if need_input_grad:
-        acc = grad_input_out
+        acc = out.grad_input_out
         acc = torch.empty((bt, h), dtype=accum, device=device) if acc is None else acc
     grad_bias = acc_b = None
-    if need_bias_grad:
-        acc_b = grad_bias_acc
+    if out.need_bias:
+        acc_b = out.grad_bias_acc
         grad_bias = (
             acc_b if acc_b is not None else torch.empty(v, dtype=bias_grad_dtype, device=device)
         )
@@ -108,60 +135,63 @@ def gradient_products(
     # the input dtype only where a product reads it (the kept columns), not whole; the
     # tile test reads G before the rounding.
     defer_rounding = (
-        flt is not None and not need_bias_grad
+        flt is not None and not out.need_bias
         and (flt.input or not need_input_grad) and (flt.weight or not need_weight_grad)
     )  # fmt: skip
-    for v0 in range(0, v, cv):
-        v1 = min(v, v0 + cv)
-        w_op = weight[v0:v1].to(operand) if (need_input_grad or g_reads_operands) else None
-        g = make_g(v0, v1, x_op, w_op)
-        if not defer_rounding:
-            g = precision.round_to(g, dtype, operand)
-        if need_bias_grad:  # the rounded G the products see, summed in fp32
-            if acc_b is None or not accumulate:
-                grad_bias[v0:v1] = g.sum(dim=0, dtype=accum)
-            else:
-                acc_b[v0:v1] += g.sum(dim=0, dtype=accum)
-        mask = None
-        if flt is not None:
-            mask = filtering.tile_mask(g, flt)
-            filtering.count(mask, flt)
-            if bool(mask.all()):
-                mask = None  # nothing to leave out: the exact products below
-                if defer_rounding:
-                    g = precision.round_to(g, dtype, operand)
-        f_in = need_input_grad and mask is not None and flt.input
-        f_w = need_weight_grad and mask is not None and flt.weight
-        if f_in or f_w:
-            filtering.filtered_products(
-                g, mask, grad_input=acc if f_in else None, w_op=w_op, first=v0 == 0,
-                grad_weight=grad_weight[v0:v1] if f_w else None, x_op=x_op,
-                write=acc_w is None or not accumulate,
-                rounding=(dtype, operand) if defer_rounding else None, scratch=scratch,
-            )  # fmt: skip
-        if need_input_grad and not f_in:
-            if v0 == 0:
-                precision.mm_fp32(g, w_op, out=acc)
-            else:
-                tmp = None if operand == accum else scratch[: bt * h].view(bt, h)
-                precision.addmm_fp32_(acc, g, w_op, scratch=tmp)
-        if f_w or not need_weight_grad:
-            pass  # done above, or not wanted
-        elif acc_w is not None and accumulate:
-            tmp = None if operand == accum else scratch[: (v1 - v0) * h].view(v1 - v0, h)
-            precision.addmm_fp32_(acc_w[v0:v1], g.t(), x_op, scratch=tmp)
+    return _Plan(
+        out, x_op, dtype, operand, accum, acc, grad_weight, acc_w, grad_bias, acc_b,
+        scratch, flt, defer_rounding, h,
+    )  # fmt: skip
+
+
+def _chunk_products(p: _Plan, g: torch.Tensor, v0: int, v1: int, w_op) -> None:
+    """One chunk ``G[:, v0:v1]`` of :func:`gradient_products`: rounded, summed into the bias
+    gradient, tested by the filter, multiplied into grad_input and grad_weight's rows."""
+    out, accum, operand, dtype = p.out, p.accum, p.operand, p.dtype
+    need_input_grad, need_weight_grad, accumulate = out.need_input, out.need_weight, out.accumulate
+    bt, h = g.shape[0], p.out_h
+    if not p.defer_rounding:
+        g = precision.round_to(g, dtype, operand)
+    if out.need_bias:  # the rounded G the products see, summed in fp32
+        if p.acc_b is None or not accumulate:
+            p.grad_bias[v0:v1] = g.sum(dim=0, dtype=accum)
         else:
-            rows = grad_weight[v0:v1]
-            if grad_weight.dtype == accum:
-                precision.mm_fp32(g.t(), x_op, out=rows)
-            else:
-                tmp = scratch[: (v1 - v0) * h].view(v1 - v0, h)
-                rows.copy_(precision.mm_fp32(g.t(), x_op, out=tmp))
-        del g  # free this chunk before the next one is allocated
-    grad_input = None
-    if need_input_grad:
-        grad_input = acc if grad_input_out is not None else acc.to(gi_dtype)
-    return Grads(grad_input, grad_weight, grad_bias)
+            p.acc_b[v0:v1] += g.sum(dim=0, dtype=accum)
+    flt, mask = p.flt, None
+    if flt is not None:
+        mask = filtering.tile_mask(g, flt)
+        filtering.count(mask, flt)
+        if bool(mask.all()):
+            mask = None  # nothing to leave out: the exact products below
+            if p.defer_rounding:
+                g = precision.round_to(g, dtype, operand)
+    f_in = need_input_grad and mask is not None and flt.input
+    f_w = need_weight_grad and mask is not None and flt.weight
+    if f_in or f_w:
+        filtering.filtered_products(
+            g, mask, grad_input=p.acc if f_in else None, w_op=w_op, first=v0 == 0,
+            grad_weight=p.grad_weight[v0:v1] if f_w else None, x_op=p.x_op,
+            write=p.acc_w is None or not accumulate,
+            rounding=(dtype, operand) if p.defer_rounding else None, scratch=p.scratch,
+        )  # fmt: skip
+    if need_input_grad and not f_in:
+        if v0 == 0:
+            precision.mm_fp32(g, w_op, out=p.acc)
+        else:
+            tmp = None if operand == accum else p.scratch[: bt * h].view(bt, h)
+            precision.addmm_fp32_(p.acc, g, w_op, scratch=tmp)
+    if f_w or not need_weight_grad:
+        return  # done above, or not wanted
+    n = v1 - v0
+    if p.acc_w is not None and accumulate:
+        tmp = None if operand == accum else p.scratch[: n * h].view(n, h)
+        precision.addmm_fp32_(p.acc_w[v0:v1], g.t(), p.x_op, scratch=tmp)
+    else:
+        rows = p.grad_weight[v0:v1]
+        if p.grad_weight.dtype == accum:
+            precision.mm_fp32(g.t(), p.x_op, out=rows)
+        else:
+            rows.copy_(precision.mm_fp32(g.t(), p.x_op, out=p.scratch[: n * h].view(n, h)))
 
 
 def _no_products(x, weight, out: Outputs, gi_dtype, bias_grad_dtype) -> Grads:

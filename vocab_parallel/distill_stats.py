@@ -35,15 +35,12 @@ from typing import NamedTuple
 
 import torch
 
-from vocab_parallel import precision
+from vocab_parallel import memory, precision
 from vocab_parallel.distributed import all_reduce
 from vocab_parallel.interface import Logits
 from vocab_parallel.torch_backend import cap_, linear_logits
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
-# Bytes of one fp32 [rows, cols] chunk of either head's logits; the math of a chunk holds
-# a handful of tensors of this size.
-CHUNK_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -80,12 +77,9 @@ class Teacher:
         return Teacher(cut(self.hidden), self.weight, self.bias, cut(self.ids), cut(self.logprobs))
 
 
-def chunk_columns(rows: int, v: int) -> int:
-    """Columns per chunk: an fp32 ``[rows, cols]`` chunk fits :data:`CHUNK_BYTES`; a
-    multiple of 64, at least 64, at most ``v``."""
-    cols = CHUNK_BYTES // max(4, rows * 4)
-    cols = max(64, cols // 64 * 64)
-    return max(1, min(v, cols))
+def chunk_columns(rows: int, v: int, device_type: str) -> int:
+    """Columns per chunk of both heads' logits (``vocab_parallel.memory``, "distill")."""
+    return memory.columns(rows, v, device_type, "distill")
 
 
 class HeadLogits:
@@ -241,8 +235,9 @@ def local_statistics(
     if fused_statistics(spec, student, teacher):
         return _fused_statistics(spec, student, teacher, inv_t, cols)
     it = None if inv_t is None else inv_t[:, None]
-    for v0 in range(0, v, chunk_columns(rows, v)):
-        v1 = min(v, v0 + chunk_columns(rows, v))
+    cv = chunk_columns(rows, v, device.type)
+    for v0 in range(0, v, cv):
+        v1 = min(v, v0 + cv)
         z = student.chunk(v0, v1)
         u = z if it is None else z * it
         if spec.sparse:
@@ -425,7 +420,7 @@ def jsd_sums(
             beta=spec.beta,
         )  # fmt: skip
     elif rows and v:
-        cv = chunk_columns(rows, v)
+        cv = chunk_columns(rows, v, student.x.device.type)
         for v0 in range(0, v, cv):
             v1 = min(v, v0 + cv)
             z, t = student.chunk(v0, v1), teacher.chunk(v0, v1)
@@ -549,19 +544,12 @@ def _forward_kl_chunk(terms, z, u, t, it, scale_d, scale_ce, cols, v0, v1, softc
 # Forward KL of a dense teacher on kept chunks (grad_in_forward): the exps made once
 # ---------------------------------------------------------------------------------------
 
-# Bytes of one fp32 [rows, cols] block of the kept-chunk walk: small enough that both
-# heads' blocks and the scratch stay in cache through the elementwise passes, wide enough
-# for full-rate CPU GEMMs (4096 columns at 512 rows), few enough elementwise
-# passes per chunk that the threads seldom wait on each other.
-KEPT_BLOCK_BYTES = 8 * 1024 * 1024
 
-
-def kept_block_columns(rows: int, v: int) -> int:
-    """Columns per block of :class:`KeptForwardKL`: an fp32 ``[rows, cols]`` block fits
-    :data:`KEPT_BLOCK_BYTES`; a multiple of 64, at least 64, at most ``v``."""
-    cols = KEPT_BLOCK_BYTES // max(4, rows * 4)
-    cols = max(64, cols // 64 * 64)
-    return max(1, min(v, cols))
+def kept_block_columns(rows: int, v: int, device_type: str) -> int:
+    """Columns per block of :class:`KeptForwardKL` (``vocab_parallel.memory``,
+    "kept_block": both heads' blocks and the scratch stay in cache through the elementwise
+    passes, wide enough for full-rate CPU GEMMs)."""
+    return memory.columns(rows, v, device_type, "kept_block")
 
 
 class KeptForwardKL:
@@ -588,7 +576,7 @@ class KeptForwardKL:
         self.keep_z = softcap is not None or (spec.ce and inv_t is not None)
         rows, v = student.saved.shape
         self.rows, self.v = rows, v
-        self.cv = kept_block_columns(rows, v)
+        self.cv = kept_block_columns(rows, v, student.x.device.type)
         blocks = -(-v // self.cv) if (v and rows) else 0
         f = dict(dtype=student.accum, device=student.x.device)
         # Per block (first index) and row: the maxima and sums of both heads.

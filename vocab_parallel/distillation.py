@@ -48,20 +48,16 @@ from vocab_parallel.distill_stats import (
     local_statistics,
     reduce_statistics,
 )
-from vocab_parallel.distributed import all_reduce, world_size
+from vocab_parallel.distributed import world_size
 from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.entry import autocast_inputs, prepare_call
-from vocab_parallel.grad_in_forward import chunk_rows
+from vocab_parallel.grad_in_forward import hand_out, outputs, walk_token_chunks
 from vocab_parallel.interface import Outputs
 from vocab_parallel.options import LossOptions
 from vocab_parallel.reduction import mean_denominator, reduce_losses
 from vocab_parallel.stats import Call
 
 __all__ = ["DIVERGENCES", "vocab_parallel_distillation_loss"]
-
-# Bytes of one head's fp32 [rows, V_local] logits chunk kept by grad_in_forward (two heads).
-GIF_CHUNK_BYTES = {"cpu": 128 * 1024 * 1024}
-GIF_DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
 
 
 def vocab_parallel_distillation_loss(
@@ -460,7 +456,7 @@ def _products(call, spec, hidden, weight, bias, student, tea, terms, cols, inv_t
         t = None if tea is None else tea.chunk(v0, v1)
         return gradient_chunk(spec, terms, z, t, inv_t, scale_d, scale_ce, cols, v0, v1, cap)
 
-    cv = chunk_columns(hidden.shape[0], weight.shape[0])
+    cv = chunk_columns(hidden.shape[0], weight.shape[0], hidden.device.type)
     if kept is not None:
         make_g, cv = kept.gradient(terms, scale_d, scale_ce, cols), kept.cv
     else:  # the Triton kernel of a dense teacher's G, where it applies
@@ -532,10 +528,10 @@ class DistillationFunction(torch.autograd.Function):
 
 
 class GradInForwardDistillation(torch.autograd.Function):
-    """The loss (a 0-d sum or mean), the student's gradients computed on the way: token
-    chunks whose two heads' logits are made once, kept for the chunk's statistics, the
-    JSD's second pass and ``G``; one fp32 SUM all-reduce of ``grad_input`` per chunk. The
-    backward scales the saved gradients by the upstream scalar."""
+    """The loss (a 0-d sum or mean), the student's gradients computed on the way by the
+    engine's token-chunk walker (``vocab_parallel.grad_in_forward``): chunks whose two
+    heads' logits are made once, kept for the chunk's statistics, the JSD's second pass
+    and ``G``. The backward scales the saved gradients by the upstream scalar."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, call, spec, teacher, needs):
@@ -547,15 +543,15 @@ class GradInForwardDistillation(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, hidden, weight, bias, target, call, spec, teacher, needs):
         cols, ignored = _columns(call, spec, target, teacher)
-        n = hidden.shape[0]
         accum = precision.accumulate_dtype(hidden.dtype)
-        f = dict(dtype=accum, device=hidden.device)
         weights = (~ignored).to(accum)
         token_grad = weights.clone()
         if call.opts.reduction == "mean":
             token_grad = token_grad / mean_denominator(weights)
-        losses, parts, grads = _walk(call, spec, hidden, weight, bias, teacher, cols, ignored,
-                                     token_grad, needs)  # fmt: skip
+        losses = torch.zeros(hidden.shape[0], dtype=accum, device=hidden.device)
+        parts: list[RowTerms] = []
+        walk = _ChunkWalk(call, spec, hidden, weight, bias, teacher, cols, token_grad, needs)
+        grads = walk.run(losses=losses, ignored=ignored, parts=parts)
         loss = losses.sum()
         if call.opts.reduction == "mean":
             loss = loss / mean_denominator(weights)
@@ -566,25 +562,12 @@ class GradInForwardDistillation(torch.autograd.Function):
         # What a second backward (retain_graph=True) recomputes the gradients from.
         ctx.save_for_backward(hidden, weight, bias, token_grad)
         ctx.call, ctx.spec, ctx.teacher, ctx.cols = call, spec, teacher, cols
-        ctx.terms = _concat_terms(parts, n, f)
+        ctx.terms = _concat_terms(parts, hidden.shape[0], accum, hidden.device)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        def compute(need):
-            if ctx.grads is None:  # handed out already: a second backward of the graph
-                return GradInForwardDistillation._recompute(ctx, grad_loss, need)
-            grads, ctx.grads = ctx.grads, None
-            out = []
-            for g, dt, wanted in zip(grads, (*ctx.dtypes[:1], *ctx.dtypes), need, strict=True):
-                if g is None or not wanted:
-                    out.append(None)
-                    continue
-                g.mul_(grad_loss.to(g.dtype))
-                out.append(g if g.dtype == dt else g.to(dt))
-            return tuple(out)
-
-        grads = guarded_backward(ctx, grad_loss, compute)
+        grads = hand_out(ctx, grad_loss, GradInForwardDistillation._recompute)
         return (*grads, None, None, None, None, None)
 
     @staticmethod
@@ -592,18 +575,16 @@ class GradInForwardDistillation(torch.autograd.Function):
         hidden, weight, bias, token_grad = ctx.saved_tensors
         call, spec = ctx.call, ctx.spec
         accum = precision.accumulate_dtype(hidden.dtype)
+        grad = token_grad * grad_loss.to(accum)
         if _kept(spec):  # the forward's walk again (its blocks: the same G)
-            grad = token_grad * grad_loss.to(accum)
-            ignored = torch.zeros(grad.shape, dtype=torch.bool, device=grad.device)
-            _, _, grads = _walk(call, spec, hidden, weight, bias, ctx.teacher, ctx.cols,
-                                ignored, grad, need, ctx.terms)  # fmt: skip
+            walk = _ChunkWalk(call, spec, hidden, weight, bias, ctx.teacher, ctx.cols, grad, need)
+            grads = walk.run(terms=ctx.terms)
             dtypes = (hidden.dtype, *ctx.dtypes)
             pairs = zip(grads, dtypes, strict=True)
             return tuple(None if g is None else g.to(dt) for g, dt in pairs)
         student, tea = _heads(call, spec, hidden, weight, bias, ctx.teacher)
         tp = world_size(call.process_group) > 1
         out = Outputs(need[0], need[1], need[2], grad_input_dtype=accum if tp else None)
-        grad = token_grad * grad_loss.to(accum)
         grads = _products(call, spec, hidden, weight, bias, student, tea, ctx.terms, ctx.cols,
                           call.inv_temperature, grad, out)  # fmt: skip
         return sum_grad_input(grads.input, call.process_group, hidden.dtype), *grads[1:]
@@ -615,66 +596,56 @@ def _kept(spec: Spec) -> bool:
     return spec.divergence == "forward_kl" and not spec.sparse
 
 
-def _walk(call, spec, hidden, weight, bias, teacher, cols, ignored, token_grad, needs,
-          terms: RowTerms | None = None):  # fmt: skip
-    """Grad-in-forward's walk over token chunks: ``(losses [N], per-chunk RowTerms,
-    [grad_input, grad_weight, grad_bias])`` in the statistics' dtype (None where not
-    needed), ``G`` of each token scaled by ``token_grad``; ``grad_input`` all-reduced per
-    chunk. With ``terms`` (a second backward: the forward's), no statistics are reduced
-    and no losses made; the kept blocks are made again for their ``G``."""
-    n, h = hidden.shape
-    v = weight.shape[0]
-    accum = precision.accumulate_dtype(hidden.dtype)
-    f = dict(dtype=accum, device=hidden.device)
-    group, world = call.process_group, world_size(call.process_group)
-    grad_input = torch.empty((n, h), **f) if needs[0] else None
-    fill = torch.zeros if n == 0 else torch.empty
-    grad_weight = fill(weight.shape, **f) if needs[1] else None
-    grad_bias = fill(v, **f) if needs[2] else None
-    heads = 1 if spec.sparse else 2
-    budget = GIF_CHUNK_BYTES.get(hidden.device.type, GIF_DEFAULT_CHUNK_BYTES)
-    rows = chunk_rows(n, call.layout.global_size, world, hidden.device.type, budget)
-    bufs = [torch.empty((min(rows, n), v), **f) for _ in range(heads)] + [None]
-    losses = torch.zeros(n, **f)
-    parts = []
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        x_c, t_c = hidden[r0:r1], teacher.rows(r0, r1)
-        c_cols = Columns(*(None if c is None else c[r0:r1] for c in cols))
-        inv_t = None if call.inv_temperature is None else call.inv_temperature[r0:r1]
-        saved = (bufs[0][: r1 - r0], None if bufs[1] is None else bufs[1][: r1 - r0])
-        student, tea = _heads(call, spec, x_c, weight, bias, t_c, saved, fill=True)
-        kept = None
-        if _kept(spec):
-            kept = KeptForwardKL(spec, student, tea, inv_t, call.opts.softcap)
-            stats = kept.statistics(c_cols)
+class _ChunkWalk:
+    """Distillation's step of the engine's token-chunk walker
+    (``vocab_parallel.grad_in_forward.walk_token_chunks``): per chunk, both heads' logits
+    into the walker's blocks, the statistics and terms (or, for a second backward, the
+    forward's ``terms``), the token losses, and ``G``'s products, each token's ``G``
+    scaled by ``token_grad``."""
+
+    def __init__(self, call, spec, hidden, weight, bias, teacher, cols, token_grad, needs):
+        self.call, self.spec, self.hidden, self.weight = call, spec, hidden, weight
+        self.bias, self.teacher, self.cols = bias, teacher, cols
+        self.token_grad, self.needs = token_grad, needs
+
+    def run(self, *, losses=None, ignored=None, parts=None, terms: RowTerms | None = None):
+        """The walker's gradients; with ``terms`` no statistics are reduced and no losses
+        made (a second backward), else ``losses`` and ``parts`` receive them."""
+        call, spec = self.call, self.spec
+
+        def step(r0, r1, blocks, buffers):
+            x_c, t_c = self.hidden[r0:r1], self.teacher.rows(r0, r1)
+            cols = Columns(*(None if c is None else c[r0:r1] for c in self.cols))
+            inv_t = None if call.inv_temperature is None else call.inv_temperature[r0:r1]
+            saved = (blocks[0], blocks[1] if len(blocks) > 1 else None)
+            student, tea = _heads(call, spec, x_c, self.weight, self.bias, t_c, saved, fill=True)
+            kept = None
+            if _kept(spec):
+                kept = KeptForwardKL(spec, student, tea, inv_t, call.opts.softcap)
+                stats = kept.statistics(cols)
+                if terms is None:
+                    c_terms = reduce_statistics(spec, stats, t_c, call.process_group)
+            elif terms is None:
+                c_terms = _forward_terms(call, spec, student, tea, t_c, cols, inv_t, r1 - r0,
+                                         self.weight.shape[0])  # fmt: skip
             if terms is None:
-                c_terms = reduce_statistics(spec, stats, t_c, group)
-        elif terms is None:
-            c_terms = _forward_terms(call, spec, student, tea, t_c, c_cols, inv_t, r1 - r0, v)
-        if terms is None:
-            losses[r0:r1] = _token_losses(spec, c_terms, ignored[r0:r1])
-            parts.append(c_terms)
-        else:
-            c_terms = RowTerms(*(None if t is None else t[r0:r1] for t in terms))
-        if not any(needs):
-            continue
-        out = Outputs(
-            needs[0], needs[1], needs[2], grad_input_dtype=accum,
-            grad_input_out=None if grad_input is None else grad_input[r0:r1],
-            grad_weight_acc=grad_weight, grad_bias_acc=grad_bias, accumulate=r0 > 0,
-        )  # fmt: skip
-        _products(call, spec, x_c, weight, bias, student, tea, c_terms, c_cols, inv_t,
-                  token_grad[r0:r1], out, kept)  # fmt: skip
-        if world > 1 and needs[0]:
-            all_reduce(grad_input[r0:r1], "SUM", group, "grad_input")
-    return losses, parts, [grad_input, grad_weight, grad_bias]
+                losses[r0:r1] = _token_losses(spec, c_terms, ignored[r0:r1])
+                parts.append(c_terms)
+            else:
+                c_terms = RowTerms(*(None if t is None else t[r0:r1] for t in terms))
+            if buffers is not None:
+                out, grad = outputs(self.needs, buffers), self.token_grad[r0:r1]
+                _products(call, spec, x_c, self.weight, self.bias, student, tea, c_terms, cols,
+                          inv_t, grad, out, kept)  # fmt: skip
+
+        heads = 1 if spec.sparse else 2
+        return walk_token_chunks(self.hidden, self.weight, call, self.needs, step, heads)
 
 
-def _concat_terms(parts: list[RowTerms], n: int, f: dict) -> RowTerms:
+def _concat_terms(parts: list[RowTerms], n: int, dtype, device) -> RowTerms:
     """The per-row terms of every chunk as those of all rows."""
     if not parts:
-        empty = torch.zeros(n, **f)
+        empty = torch.zeros(n, dtype=dtype, device=device)
         return RowTerms(empty, None, empty, None, None, None, None)
     fields = []
     for column in zip(*parts, strict=True):

@@ -46,44 +46,117 @@ share holds a proportionally larger chunk.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
-from vocab_parallel import precision
+from vocab_parallel import memory, precision
 from vocab_parallel.autograd import guarded_backward, no_autocast, shard_gradients, sum_grad_input
 from vocab_parallel.distributed import all_reduce, all_reduce_async, world_size
+from vocab_parallel.interface import Outputs
 from vocab_parallel.reduction import mean_denominator
 from vocab_parallel.stats import Call, RowStats, forward_stats, local_targets, reduce_statistics
-
-# Bytes of the fp32 [R, V_local] logits chunk, per device type: 128 MiB keeps CPU GEMMs
-# near their best rate (256 rows at V_local = 131072: 14% faster than 128 rows) with less
-# extra memory than DeepSpeed's chunked loss; GPUs need taller chunks for the
-# grad_weight GEMM (K = R) to run at tensor-core speed.
-CHUNK_BYTES = {"cpu": 128 * 1024 * 1024}
-DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
-# At most this many rows per chunk: on CPUs GEMMs of 512 rows already run near their best
-# rate, and taller chunks only cost memory (the chunk is sized for V_local, which shrinks
-# with more ranks).
-MAX_ROWS = {"cpu": 512}
 
 # Overlap each chunk's grad_input all-reduce with the next chunk (same result either way).
 OVERLAP = True
 
 
-def chunk_rows(
-    tokens: int, global_size: int, world: int, device_type: str, chunk_bytes: int | None = None
-) -> int:
-    """Token rows per chunk: an fp32 ``[rows, ceil(global_size / world)]`` chunk (an even
-    share of the vocabulary) fits
-    ``chunk_bytes`` (the device's default), at most the device's :data:`MAX_ROWS`; at
-    least one row, at most ``tokens``, a multiple of 64 when above 64. The same on every
-    rank of the group."""
-    budget = chunk_bytes or CHUNK_BYTES.get(device_type, DEFAULT_CHUNK_BYTES)
-    per_row = 4 * max(1, -(-global_size // max(1, world)))
-    rows = max(1, min(budget // per_row, MAX_ROWS.get(device_type, tokens)))
-    if rows > 64:
-        rows = rows // 64 * 64
-    return max(1, min(tokens, rows))
+# ---------------------------------------------------------------------------------------
+# The one token-chunk walker (every objective's grad_in_forward)
+# ---------------------------------------------------------------------------------------
+
+# step(r0, r1, blocks, buffers): an objective's work on the token rows [r0, r1): its
+# statistics of the chunk (``blocks``: the walker's fp32 [r1 - r0, V_local] logits
+# buffers, one per head), its per-token results, and, when ``buffers`` is not None, its
+# G and the two gradient products into them (the accumulate-into fields of Outputs).
+ChunkStep = Callable[[int, int, list, "dict | None"], None]
+
+
+def walk_token_chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    call: Call,
+    needs: tuple[bool, bool, bool],
+    step: ChunkStep,
+    heads: int = 1,
+) -> list[torch.Tensor | None]:
+    """The token-chunk walker of ``mode="grad_in_forward"``, written once for every
+    objective: ``[grad_input, grad_weight, grad_bias]`` in the statistics' dtype (None
+    where not needed), ``grad_input`` summed over the group.
+
+    Token chunks are as tall as the memory policy allows for ``heads`` kept fp32 blocks
+    (``vocab_parallel.memory.token_rows``: the same on every rank). Per chunk, ``step``
+    does the objective's work (:data:`ChunkStep`): its statistics (the blocking MAX and
+    SUM all-reduces are its own), its results, its ``G`` and products into this walker's
+    accumulators (written by the first chunk: no zero-fill pass). Then the chunk's
+    ``grad_input`` rows start their SUM all-reduce asynchronously (:data:`OVERLAP`: it
+    overlaps the next chunk's GEMMs); the walker waits for all of them at the end."""
+    bt, h = hidden.shape
+    v = weight.shape[0]
+    accum = precision.accumulate_dtype(hidden.dtype)
+    f = dict(dtype=accum, device=hidden.device)
+    group = call.process_group
+    world = world_size(group)
+    grad_input = torch.empty((bt, h), **f) if needs[0] else None
+    fill = torch.zeros if bt == 0 else torch.empty  # zeros when there are no tokens
+    grad_weight = fill(weight.shape, **f) if needs[1] else None
+    grad_bias = fill(v, **f) if needs[2] else None
+    rows = memory.token_rows(bt, call.layout.global_size, world, hidden.device.type, heads)
+    blocks = [torch.empty((min(rows, bt), v), **f) for _ in range(heads)]
+    waits = []  # the grad_input all-reduces in flight
+    for r0 in range(0, bt, rows):
+        r1 = min(bt, r0 + rows)
+        buffers = None
+        if any(needs):
+            buffers = dict(
+                grad_input_dtype=accum,
+                grad_input_out=None if grad_input is None else grad_input[r0:r1],
+                grad_weight_acc=grad_weight,
+                grad_bias_acc=grad_bias,
+                accumulate=r0 > 0,  # the first chunk writes the (empty) accumulators
+            )
+        step(r0, r1, [b[: r1 - r0] for b in blocks], buffers)
+        if buffers is not None and world > 1 and needs[0]:
+            rows_gi = grad_input[r0:r1]
+            if OVERLAP and not torch.compiler.is_compiling():  # dynamo: no async_op
+                waits.append(all_reduce_async(rows_gi, "SUM", group, "grad_input"))
+            else:
+                all_reduce(rows_gi, "SUM", group, "grad_input")
+    del blocks
+    for wait in waits:
+        wait()
+    return [grad_input, grad_weight, grad_bias]
+
+
+def outputs(needs: tuple[bool, bool, bool], buffers: dict, **extra) -> Outputs:
+    """The :class:`~vocab_parallel.interface.Outputs` of a chunk step's products."""
+    return Outputs(
+        need_input=needs[0], need_weight=needs[1], need_bias=needs[2], **buffers, **extra
+    )
+
+
+def hand_out(ctx, grad_loss, recompute: Callable) -> tuple:
+    """The backward of a grad_in_forward Function whose first inputs are hidden, weight,
+    bias: the gradients saved in ``ctx.grads`` times the upstream scalar (in place, in
+    their fp32 or float64 accumulators), in ``ctx.dtypes`` (hidden's, bias'); a second
+    backward of the graph (``retain_graph=True``: they were handed out already) calls
+    ``recompute(ctx, grad_loss, need)``."""
+
+    def compute(need):
+        if ctx.grads is None:
+            return recompute(ctx, grad_loss, need)
+        grads, ctx.grads = ctx.grads, None  # ours alone now: scaled in place
+        dtype, bias_dtype = ctx.dtypes
+        out = []
+        for g, dt, wanted in zip(grads, (dtype, dtype, bias_dtype), need, strict=True):
+            if g is None or not wanted:
+                out.append(None)
+                continue
+            g.mul_(grad_loss.to(g.dtype))
+            out.append(g if g.dtype == dt else g.to(dt))
+        return tuple(out)
+
+    return guarded_backward(ctx, grad_loss, compute)
 
 
 class GradInForwardLinearCE(torch.autograd.Function):
@@ -104,10 +177,8 @@ class GradInForwardLinearCE(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, hidden, weight, bias, target, call: Call, needs):
         local_target, ignored = local_targets(target, call.layout, call.opts.ignore_index)
-        bt, h = hidden.shape
+        bt = hidden.shape[0]
         accum = precision.accumulate_dtype(hidden.dtype)
-        device, group = hidden.device, call.process_group
-        world = world_size(group)
         # d loss / d loss_i: 1 (sum) or 1 / count (mean), 0 where ignored. Class weights
         # (whose mean's denominator is only known after the chunks) and fp16 (whose narrow
         # range would flush small probabilities / count) form G with 1 and apply the mean's
@@ -118,56 +189,29 @@ class GradInForwardLinearCE(torch.autograd.Function):
         if mean and not post_scale:
             token_grad = token_grad / mean_denominator(token_grad)
 
-        f = dict(dtype=accum, device=device)
-        grad_input = torch.empty((bt, h), **f) if needs[0] else None
-        # Written by the first chunk (no zero-fill pass); zeros when there are no tokens.
-        fill = torch.zeros if bt == 0 else torch.empty
-        grad_weight = fill(weight.shape, **f) if needs[1] else None
-        grad_bias = fill(weight.shape[0], **f) if needs[2] else None
         fields = ("loss", "lse", "logits_max", "sum_exp")
         if call.class_weight is not None:
             fields += ("target_weight",)
-        per_token = {k: torch.empty(bt, **f) for k in fields}
-        weight_sum = None
+        per_token = {k: torch.empty(bt, dtype=accum, device=hidden.device) for k in fields}
+        weight_sum = []
 
-        rows = chunk_rows(bt, call.layout.global_size, world, device.type)
-        chunk = torch.empty((min(rows, bt), weight.shape[0]), **f)
-        waits = []  # the grad_input all-reduces in flight
-        for r0 in range(0, bt, rows):
-            r1 = min(bt, r0 + rows)
-            x_c, t_c, z_c = hidden[r0:r1], local_target[r0:r1], chunk[: r1 - r0]
+        def step(r0, r1, blocks, buffers):
+            x_c, t_c = hidden[r0:r1], local_target[r0:r1]
             c_call = _chunk_call(call, r0, r1)
-            stats = forward_stats(c_call, x_c, weight, bias, t_c, z_c)
+            stats = forward_stats(c_call, x_c, weight, bias, t_c, blocks[0])
             token = reduce_statistics(stats, t_c, c_call)
-            for k in fields[:4]:
+            for k in fields:
                 per_token[k][r0:r1] = getattr(token, k)
-            if token.target_weight is not None:
-                per_token["target_weight"][r0:r1] = token.target_weight
-                weight_sum = token.weight_sum
-            if not any(needs):
-                continue
-            buffers = dict(
-                grad_input_dtype=accum,
-                grad_input_out=None if grad_input is None else grad_input[r0:r1],
-                grad_weight_acc=grad_weight,
-                grad_bias_acc=grad_bias,
-                accumulate=r0 > 0,  # the first chunk writes the (empty) accumulators
-            )
-            source = dict(logits=z_c, reuse_logits=True)
-            grad = token_grad[r0:r1]
-            shard_gradients(
-                c_call, grad, x_c, weight, bias, t_c, token, needs, source=source, **buffers
-            )
-            if world > 1 and needs[0]:
-                rows_gi = grad_input[r0:r1]
-                if OVERLAP and not torch.compiler.is_compiling():  # dynamo: no async_op
-                    waits.append(all_reduce_async(rows_gi, "SUM", group, "grad_input"))
-                else:
-                    all_reduce(rows_gi, "SUM", group, "grad_input")
-        del chunk
-        for wait in waits:
-            wait()
+            if token.weight_sum is not None:
+                weight_sum[:] = [token.weight_sum]
+            if buffers is not None:
+                source = dict(logits=blocks[0], reuse_logits=True)
+                grad = token_grad[r0:r1]
+                shard_gradients(
+                    c_call, grad, x_c, weight, bias, t_c, token, needs, source=source, **buffers
+                )
 
+        grads = walk_token_chunks(hidden, weight, call, needs, step)
         if call.class_weight is None:
             per_token["target_weight"] = (~ignored).to(accum)
         weights = per_token["target_weight"].masked_fill_(ignored, 0.0)
@@ -177,7 +221,7 @@ class GradInForwardLinearCE(torch.autograd.Function):
             loss = loss / denominator
             if post_scale:
                 token_grad = token_grad / denominator
-                for g in (grad_input, grad_weight, grad_bias):
+                for g in grads:
                     if g is not None:
                         g.div_(denominator)
         lse = per_token["lse"].masked_fill_(ignored, 0.0)
@@ -194,23 +238,17 @@ class GradInForwardLinearCE(torch.autograd.Function):
             per_token["logits_max"],
             per_token["sum_exp"],
             None if call.class_weight is None else weights,
-            weight_sum,
+            weight_sum[0] if weight_sum else None,
         )
-        ctx.grads = [grad_input, grad_weight, grad_bias]  # handed out by the first backward
-        ctx.device_type = device.type
+        ctx.grads = grads  # handed out by the first backward
+        ctx.device_type = hidden.device.type
         ctx.dtypes = (hidden.dtype, hidden.dtype if bias is None else bias.dtype)
         ctx.call = call
         return loss, lse, weights
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse, grad_weights):
-        def compute(need):
-            if ctx.grads is None:  # handed out already: a second backward of the graph
-                return GradInForwardLinearCE._recompute(ctx, grad_loss, need)
-            grads, ctx.grads = ctx.grads, None  # ours alone now: scaled in place
-            return _scaled(grads, grad_loss, *ctx.dtypes, need)
-
-        grads = guarded_backward(ctx, grad_loss, compute)
+        grads = hand_out(ctx, grad_loss, GradInForwardLinearCE._recompute)
         return (*grads, None, None, None)
 
     @staticmethod
@@ -230,17 +268,3 @@ def _chunk_call(call: Call, r0: int, r1: int) -> Call:
     if call.inv_temperature is None:
         return call
     return dataclasses.replace(call, inv_temperature=call.inv_temperature[r0:r1])
-
-
-def _scaled(grads, grad_loss, dtype, bias_dtype, need) -> tuple:
-    """The saved gradients times the upstream scalar (in place, in their fp32 or float64
-    accumulators), in the inputs' dtype (``bias_dtype`` for the bias); None where no
-    gradient is needed."""
-    out = []
-    for g, dt, wanted in zip(grads, (dtype, dtype, bias_dtype), need, strict=True):
-        if g is None or not wanted:
-            out.append(None)
-            continue
-        g.mul_(grad_loss.to(g.dtype))
-        out.append(g if g.dtype == dt else g.to(dt))
-    return tuple(out)

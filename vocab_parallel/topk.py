@@ -22,16 +22,13 @@ import dataclasses
 
 import torch
 
-from vocab_parallel import precision
+from vocab_parallel import memory, precision
 from vocab_parallel.backend import get_backend
-from vocab_parallel.chunking import chunk_columns
 from vocab_parallel.distributed import all_gather
 from vocab_parallel.interface import LocalStats
 
 # The id of a padding candidate: above any vocabulary, exact in the float64 exchange.
 PAD_ID = 1 << 52
-# Target bytes of one fp32 [BT, CV] chunk of logits (as the torch backend's chunks).
-CHUNK_BYTES = 64 * 1024 * 1024
 
 
 def best_of(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +117,7 @@ def shard_candidates(
             hidden, weight, local_target, logits, logits_out=logits_out, extra_stats=extra_stats
         )
         return (stats, *best_of(*best, k))
-    cv = chunk_columns(bt, v, CHUNK_BYTES)
+    cv = memory.columns(bt, v, hidden.device.type, "topk")
     buffer = None
     if logits_out is None:  # one chunk buffer, reused
         buffer = torch.empty((bt, cv), dtype=accum, device=hidden.device)

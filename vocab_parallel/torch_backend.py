@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from vocab_parallel import precision
-from vocab_parallel.chunking import chunk_columns, gradient_products
+from vocab_parallel import memory, precision
+from vocab_parallel.chunking import gradient_products
 from vocab_parallel.interface import PLAIN, Grads, GradTerms, LocalStats, Logits, Outputs
-
-# Target bytes of one fp32 [BT, CV] chunk of logits.
-CHUNK_BYTES = 64 * 1024 * 1024
 
 
 def cap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -56,8 +53,6 @@ def fused_backward(
     logits: Logits,
     terms: GradTerms,
     out: Outputs,
-    *,
-    chunk_bytes: int = CHUNK_BYTES,
 ) -> Grads:
     """:class:`Grads` of ``G`` (``vocab_parallel.backend``) over vocabulary chunks.
 
@@ -123,7 +118,8 @@ def fused_backward(
     recompute = softmax is None and saved is None
     bias_dtype = x.dtype if logits.bias is None else logits.bias.dtype
     # A softcap keeps tanh beside each chunk of G: half the columns, the same bytes.
-    cv = chunk_columns(bt, v, chunk_bytes if softcap is None else chunk_bytes // 2, h)
+    blocks = 1 if softcap is None else 2
+    cv = memory.columns(bt, v, x.device.type, "logits", h=h, blocks=blocks)
     fp32_products = precision.operand_dtype(x.dtype, x.device.type) == accum == x.dtype
     in_place = terms.reuse_logits and saved is not None and saved.dtype == accum
     if in_place and softcap is None and fp32_products:
@@ -161,7 +157,6 @@ def forward_stats(
     logit_sum: bool = False,
     class_weight: torch.Tensor | None = None,
     extra_stats: bool = False,
-    chunk_bytes: int = CHUNK_BYTES,
 ) -> LocalStats:
     """:class:`LocalStats` of ``z = cap(x @ weight.T + bias) / T`` in one online pass over
     vocabulary chunks (same contract as the Triton launcher).
@@ -198,7 +193,7 @@ def forward_stats(
     inv_t = _row(logits.inv_temperature, accum)
     cw = None if class_weight is None else class_weight.to(accum)
     here = local_target >= 0
-    cv = chunk_columns(bt, v, chunk_bytes)
+    cv = memory.columns(bt, v, x.device.type, "logits")
     for v0 in range(0, v, cv):
         v1 = min(v, v0 + cv)
         w_op = weight[v0:v1].to(operand)

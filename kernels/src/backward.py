@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vocab_parallel import memory
 from vocab_parallel.chunking import gradient_products
 from vocab_parallel.interface import Grads, GradTerms, Logits, Outputs
 from vocab_parallel.kernels.common import (
@@ -55,9 +56,6 @@ from vocab_parallel.kernels.common import (
     tile_config,
     tile_configs,
 )
-
-# Bytes of the G chunk buffer the launcher aims for; ``CV`` follows from it and BT.
-CHUNK_BYTES = 256 * 1024 * 1024
 
 
 @triton.jit
@@ -260,16 +258,6 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
     return variants
 
 
-def chunk_columns(
-    bt: int, v: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES, h: int = 0
-) -> int:
-    """Columns per vocabulary chunk: a ``[bt, cols]`` chunk of ``itemsize``, and the fp32
-    ``[cols, h]`` product of ``grad_weight``'s rows, each fit ``chunk_bytes``."""
-    cols = chunk_bytes // max(1, bt * itemsize, h * 4)
-    cols = max(128, cols // 128 * 128)
-    return max(1, min(v, cols))
-
-
 def fused_backward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -277,8 +265,6 @@ def fused_backward(
     logits: Logits,
     terms: GradTerms,
     out: Outputs,
-    *,
-    chunk_bytes: int = CHUNK_BYTES,
 ) -> Grads:
     """:class:`Grads` of ``G`` (``vocab_parallel.backend.Backend.fused_backward``) over
     vocabulary chunks; inputs are already validated. ``terms.reuse_logits`` changes
@@ -330,7 +316,7 @@ def fused_backward(
     ent = full_vector(terms.entropy, bt, x.device) if entropy else dummy
     on_target = 1.0 if per_row_hot else float(terms.on_target)
     cap = 1.0 if softcap is None else float(softcap)
-    cv = chunk_columns(bt, v, x.element_size(), chunk_bytes, h)
+    cv = memory.columns(bt, v, x.device.type, "logits", itemsize=x.element_size(), h=h)
     g_buf = None
 
     def make_g(v0: int, v1: int, x_op, w_op) -> torch.Tensor:

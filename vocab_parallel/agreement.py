@@ -28,6 +28,7 @@ from vocab_parallel.options import (
     BACKENDS,
     FILTER_GRADS,
     MODES,
+    OPTION_NAMES,
     REDUCTIONS,
     LossOptions,
     StatsRequest,
@@ -36,6 +37,15 @@ from vocab_parallel.options import (
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Entries whose difference means another rank refused its arguments.
 REFUSED = "arguments refused on this rank"
+# The parameters a refusal's message can start with. The refusing rank puts which one (and
+# whether it raised a TypeError) in its REFUSED entry, so that every rank's error names it
+# without another collective. Every rank runs this code: one order everywhere.
+REFUSABLE = OPTION_NAMES + (
+    "process_group", "hidden", "weight", "target", "num_items_in_batch",
+    "entropy", "sum_p_squared", "top_k", "argmax",
+    "teacher_head", "teacher_hidden", "teacher_weight", "teacher_bias", "teacher_topk_ids",
+    "teacher_topk_logprobs", "divergence", "beta", "hard_label_weight", "options",
+)  # fmt: skip
 
 
 def _code(value, choices) -> float:
@@ -192,6 +202,37 @@ def _shown(field: int, value: float) -> str:
     return f"{value:.10g}" if "checksum" in name else f"{value:g}"
 
 
+def _refusal_code(err: BaseException | None) -> float:
+    """A refusing rank's REFUSED entry: ``1 + 2 i + t``, ``i`` the index in
+    :data:`REFUSABLE` of the parameter its message starts with (``len(REFUSABLE)`` for
+    another, or no error), ``t`` 1 for a ``TypeError``, 0 for a ``ValueError``."""
+    name = "" if err is None else str(err).split(":", 1)[0].split(",", 1)[0].strip()
+    i = REFUSABLE.index(name) if name in REFUSABLE else len(REFUSABLE)
+    return 1.0 + 2.0 * i + float(isinstance(err, TypeError))
+
+
+def _refused(code: float, refused_by: list[str]) -> Exception:
+    """What a rank whose arguments were accepted raises when ``refused_by`` refused theirs,
+    from the first one's REFUSED entry ``code``: its exception type, and a message
+    starting with the parameter it named."""
+    i, t = divmod(int(code) - 1, 2)
+    kind = TypeError if t else ValueError
+    who = f"{', '.join(refused_by)} of the group"
+    rest = (
+        "; every rank of the tensor-parallel group must pass valid arguments, the same "
+        "options and the same tokens"
+    )
+    if i < len(REFUSABLE):
+        return kind(
+            f"{REFUSABLE[i]}: {who} refused its argument (a {kind.__name__} there, whose "
+            f"message says why){rest}"
+        )
+    return kind(
+        f"process_group: {who} refused its arguments (a {kind.__name__} there, whose message "
+        f"names the parameter){rest}"
+    )
+
+
 def check_agreement(
     values: list[object] | None,
     process_group: dist.ProcessGroup | None,
@@ -202,7 +243,8 @@ def check_agreement(
     rank then reads every rank's fingerprint and raises the same ``ValueError`` when they
     differ, naming the parameter and each rank's value. ``own_error``: this rank's refusal
     of its arguments (``values`` is then None), raised here after the collective; the
-    other ranks raise a ``ValueError`` naming the rank that refused."""
+    other ranks raise an error of its type naming its parameter and the rank that
+    refused."""
     n = world_size(process_group)
     if n == 1:
         if own_error is not None:
@@ -211,7 +253,7 @@ def check_agreement(
     rank, k = dist.get_rank(process_group), len(FIELDS)
     table = torch.zeros((n, k), dtype=torch.float64, device=device)
     if values is None:
-        table[rank, 0] = 1.0
+        table[rank, 0] = _refusal_code(own_error)
     else:
         table[rank] = torch.stack(
             [torch.as_tensor(v, dtype=torch.float64).to(device) for v in values]
@@ -223,10 +265,7 @@ def check_agreement(
     if refused_by:
         if own_error is not None:
             raise own_error
-        raise ValueError(
-            f"process_group: {', '.join(refused_by)} of the group refused its arguments (its "
-            "error names the parameter); every rank must pass the same options and tokens"
-        )
+        raise _refused(next(row[0] for row in rows if row[0] != 0.0), refused_by)
     for field, (what, param) in enumerate(FIELDS):
         column = [row[field] for row in rows]
         if len(set(column)) == 1:

@@ -1,14 +1,14 @@
 """Every rank fails alike, at once, and stays in step (two gloo ranks).
 
-Rank 1 passes one refused argument (an option value, a tensor of the wrong length), rank
-0 a valid one, through each public entry: the loss (its weight a DTensor too), the token
-statistics, the distillation loss, the loss module and the LM head's three calls. Every
-rank must raise the same exception type at once (no wait for the collective timeout),
-with a message that starts with the parameter's name (rank 0's also names rank 1 as the
-one that refused it), and the group must still be in step: a valid call on both ranks
-right after it gives the right loss. Each case runs on its own group with a short
-collective timeout, so that a rank left waiting fails its case in seconds instead of
-hanging the suite.
+Rank 1 passes one refused argument (an option value, a tensor of the wrong length, a bad
+``num_items_in_batch``), rank 0 a valid one, through each public entry: the loss (its
+weight a DTensor too), the token statistics, the distillation loss, the loss module and
+the LM head's three calls. Every rank must raise the same exception type at once (no wait
+for the collective timeout), with a message that starts with the parameter's name (rank
+0's also names rank 1 as the one that refused it), and the group must still be in step: a
+valid call on both ranks right after it gives the right loss. Each case runs on its own
+group with a short collective timeout, so that a rank left waiting fails its case in
+seconds instead of hanging the suite.
 """
 
 from __future__ import annotations
@@ -99,6 +99,10 @@ CASES = {
     "check_inputs": ("loss", {}, dict(check_inputs="yes"), "TypeError", "check_inputs"),
     "class_weight": ("loss", {}, "class_weight", "ValueError", "class_weight"),
     "bias": ("loss", {}, "bias", "ValueError", "bias"),
+    "num_items_inf": ("loss", dict(reduction="sum"), dict(num_items_in_batch=float("inf")),
+                      "ValueError", "num_items_in_batch"),
+    "num_items_bool": ("loss", dict(reduction="sum"), dict(num_items_in_batch=True),
+                       "TypeError", "num_items_in_batch"),
     "dtensor_label_smoothing": ("dtensor", {}, dict(label_smoothing=2.0), "ValueError",
                                 "label_smoothing"),
     "stats_top_k": ("stats", {}, dict(top_k=-1), "ValueError", "top_k"),
@@ -111,6 +115,8 @@ CASES = {
     "module_class_weight": ("module", {}, "class_weight", "ValueError", "class_weight"),
     "module_bias_type": ("module", {}, dict(bias=[0.0]), "TypeError", "bias"),
     "head_reduction": ("head", {}, dict(reduction="avg"), "ValueError", "reduction"),
+    "head_num_items": ("head", {}, dict(num_items_in_batch=-2), "ValueError",
+                       "num_items_in_batch"),
     "head_stats_top_k": ("head_stats", {}, dict(top_k=-1), "ValueError", "top_k"),
     "head_stats_temperature": ("head_stats", {}, dict(temperature=0.0), "ValueError",
                                "temperature"),
@@ -120,9 +126,22 @@ CASES = {
                                  "temperature"),
 }  # fmt: skip
 
+# Both ranks pass the same or differing values that are refused alike (no rank refuses
+# alone): every rank raises the same message.
+BOTH = {
+    # a count differing between the ranks: each rank's loss would be scaled differently
+    "num_items_differ": ("loss", dict(reduction="sum"), "differ", "ValueError",
+                         "num_items_in_batch"),
+    # 0 items with tokens that count: the undivided sum, silently, before
+    "num_items_zero_tensor": ("loss", dict(reduction="sum", num_items_in_batch=torch.tensor(0)),
+                              {}, "ValueError", "num_items_in_batch"),
+}  # fmt: skip
+
 
 def _bad_kwargs(name: str, rank: int, both: dict, change) -> dict:
     kwargs = dict(both)
+    if change == "differ":
+        return kwargs | dict(num_items_in_batch=4 + rank)
     if rank != 1:
         return kwargs
     if change in ("class_weight", "bias", "teacher_bias"):
@@ -156,7 +175,7 @@ def _all_cases(group, cases: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict]:
-    return run_ranks(_all_cases, 2, CASES, timeout=900)
+    return run_ranks(_all_cases, 2, CASES | BOTH, timeout=900)
 
 
 def _check_in_step(per_rank: list[dict]) -> None:
@@ -175,4 +194,14 @@ def test_one_rank_refusing_makes_every_rank_raise_naming_the_parameter(outcomes,
     assert (kind0, kind1) == (kind, kind), per_rank
     assert message1.startswith(f"{param}: "), message1  # its own error
     assert message0.startswith(f"{param}: rank 1 of the group refused its argument"), message0
+    _check_in_step(per_rank)
+
+
+@pytest.mark.parametrize("name", sorted(BOTH))
+def test_arguments_refused_on_every_rank_raise_the_same_error(outcomes, name):
+    _, _, _, kind, param = BOTH[name]
+    per_rank = [outcomes[r][name] for r in range(2)]
+    results = [out["result"] for out in per_rank]
+    assert results[0] == results[1], results
+    assert results[0][0] == kind and results[0][1].startswith(f"{param}: "), results
     _check_in_step(per_rank)

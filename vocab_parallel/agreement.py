@@ -20,6 +20,8 @@ brings its own tokens) the token count and checksums of the targets and of ``hid
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -55,6 +57,16 @@ def _code(value, choices) -> float:
 def _filter_code(filter_eps) -> float:
     """``filter_eps`` as a number: -1 for None, -2 for ``"auto"``, else its value."""
     return -1.0 if filter_eps is None else -2.0 if filter_eps == "auto" else filter_eps
+
+
+def _items_code(n) -> object:
+    """``num_items_in_batch`` as an entry: -1 for None (a count is never negative), a
+    tensor's value as a 0-d float64 tensor (not read here)."""
+    if n is None:
+        return -1.0
+    if isinstance(n, torch.Tensor):
+        return n.detach().reshape(()).to(torch.float64)
+    return float(n)
 
 
 def _checksum(t: torch.Tensor) -> list:
@@ -103,6 +115,7 @@ FIELDS = (
     ("requires_grad", "bias"),
     ("filter_eps", "filter_eps"),
     ("filter_grads", "filter_grads"),
+    ("num_items_in_batch", "num_items_in_batch"),
     ("numbers of tokens", "hidden"),
     ("values (checksum)", "target"),
     ("values (position checksum)", "target"),
@@ -134,12 +147,14 @@ def fingerprint(
     target: torch.Tensor,
     request: StatsRequest | None = None,
     extra: list[object] | None = None,
+    num_items_in_batch: object = None,
 ) -> list[object]:
     """What must agree across the ranks for this call (``hidden [N, H]``, ``target [N]``
     flattened, before any gathering; ``request``: the token statistics asked for, None for
     the loss; ``extra``: the :data:`DISTILL_FIELDS` of a distillation call, None for
-    others), in the order of :data:`FIELDS`; floats or 0-d tensors (the checksums stay
-    on the device until the one collective)."""
+    others; ``num_items_in_batch``: the loss's, checked already), in the order of
+    :data:`FIELDS`; floats or 0-d tensors (the checksums and a tensor count stay on the
+    device until the one collective)."""
     extra = [0.0] * len(DISTILL_FIELDS) if extra is None else list(extra)
     request = StatsRequest() if request is None else request
     temp = opts.temperature
@@ -176,6 +191,7 @@ def fingerprint(
         float(grad and bias is not None and bias.requires_grad),
         _filter_code(opts.filter_eps),
         _code(opts.filter_grads, FILTER_GRADS),
+        _items_code(num_items_in_batch),
     ]
     if opts.sequence_parallel:  # each rank brings its own tokens: nothing to compare
         return f + [0.0] * 6 + extra
@@ -195,7 +211,7 @@ def _shown(field: int, value: float) -> str:
             return repr(choices[int(value)])
     if name == "filter_grads" and 0 <= value < len(FILTER_GRADS):
         return repr(FILTER_GRADS[int(value)])
-    if name in ("softcap", "filter_eps") and value == -1.0:
+    if name in ("softcap", "filter_eps", "num_items_in_batch") and value == -1.0:
         return "None"
     if name == "filter_eps" and value == -2.0:
         return "'auto'"
@@ -267,7 +283,8 @@ def check_agreement(
             raise own_error
         raise _refused(next(row[0] for row in rows if row[0] != 0.0), refused_by)
     for field, (what, param) in enumerate(FIELDS):
-        column = [row[field] for row in rows]
+        # NaN (a tensor's count, not read before) is one value: math.nan, one object
+        column = [v if v == v else math.nan for v in (row[field] for row in rows)]
         if len(set(column)) == 1:
             continue
         per_rank = ", ".join(

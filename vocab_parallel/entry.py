@@ -27,7 +27,7 @@ from vocab_parallel.checks import check_member, check_targets
 from vocab_parallel.distributed import world_size
 from vocab_parallel.layout import resolve_layout
 from vocab_parallel.options import LossOptions, PendingOptions, StatsRequest, given_option, made
-from vocab_parallel.reduction import check_num_items_in_batch
+from vocab_parallel.reduction import check_items_counted, check_num_items_in_batch
 from vocab_parallel.sharded import check_gathered
 from vocab_parallel.stats import Call
 
@@ -174,7 +174,7 @@ def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items
     """The call's tensors unwrapped (DTensors), cast (autocast) and validated, and the
     backend that runs them: ``(hidden, weight, target, bias, opts, process_group, which)``."""
     if num_items_in_batch is not None:
-        check_num_items_in_batch(num_items_in_batch)
+        check_num_items_in_batch(num_items_in_batch, read=opts.check_inputs)
         if opts.reduction != "sum":
             raise ValueError(
                 f"reduction: {opts.reduction!r} cannot be combined with num_items_in_batch "
@@ -255,7 +255,8 @@ def prepare_call(
     h2 = hidden.reshape(t1.shape[0], hidden.shape[-1])  # not (-1, H): H may be 0
     if opts.check_inputs and world_size(process_group) > 1:
         extra = None if agree is None else agree()
-        _agree(fingerprint(opts, h2, weight, t1, request, extra), process_group, hidden.device)
+        values = fingerprint(opts, h2, weight, t1, request, extra, num_items_in_batch)
+        _agree(values, process_group, hidden.device)
     temp, accum = opts.temperature, precision.accumulate_dtype(hidden.dtype)
     slices = None  # sequence_parallel: all tokens of the group, gathered
     if opts.sequence_parallel:
@@ -277,6 +278,8 @@ def prepare_call(
         alone = world_size(process_group) == 1
         rows = (layout.start, layout.start + layout.size) if alone else None
         check_targets(t1, opts.ignore_index, layout.global_size, rows)
+        if num_items_in_batch is not None:  # the same count and targets on every rank
+            check_items_counted(num_items_in_batch, t1, opts.ignore_index)
     if request is not None and request.candidates > layout.global_size:
         raise ValueError(
             f"top_k: expected at most the global vocabulary size {layout.global_size}, "

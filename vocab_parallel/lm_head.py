@@ -227,9 +227,10 @@ class VocabParallelLMHead(nn.Module):
             num_items_in_batch: the loss is then the SUM over this call's tokens divided by
                 ``num_items_in_batch`` (Hugging Face's convention for gradient accumulation:
                 the non-ignored tokens of all micro-batches of a step, so that their losses
-                add up to the step's mean). An int >= 1 or a 0-d / one-element tensor (a
-                tensor count of 0 gives 0, not NaN). With it, ``reduction`` may only be
-                ``None`` or ``"sum"``.
+                add up to the step's mean). A finite count > 0 (an int, a float or a 0-d /
+                one-element tensor); 0 only for a batch whose tokens are all ignored (the
+                loss is then 0, not NaN). With it, ``reduction`` may only be ``None`` or
+                ``"sum"``.
         """
         if not self._dtensor_weight:  # a DTensor here is FSDP2's shard, outside its forward
             check_plain("weight", self.weight)

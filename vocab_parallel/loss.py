@@ -118,7 +118,9 @@ def vocab_parallel_linear_cross_entropy(
             this rank's slice of the group's tokens (uneven slices allowed); the loss is
             over all of them, ``"none"`` gives this rank's tokens.
         num_items_in_batch: the loss is then the SUM divided by it (Hugging Face's
-            gradient accumulation); ``reduction`` must be ``"sum"`` then.
+            gradient accumulation); ``reduction`` must be ``"sum"`` then. A finite count
+            > 0 (an int, a float or a one-element tensor, the same on every rank); 0 only
+            for a batch whose tokens are all ignored (the loss is then 0).
         filter_eps: gradient filtering, which changes the gradients (not the loss):
             ``None`` (default): exact. ``"auto"`` (``eps(input dtype) / 32``: 2^-12 for
             bf16, 2^-28 for fp32) or a float ``eps >= 0``: each vocabulary column of a

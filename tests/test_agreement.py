@@ -45,7 +45,7 @@ PROBES = {
     "no_grad": ("no_grad", "hidden: the ranks of process_group pass different grad mode"),
     "requires_grad": ("frozen", "hidden: the ranks of process_group pass different requires"),
     "sequence_parallel": (dict(sequence_parallel=True), "sequence_parallel: "),
-    "refused_on_one_rank": ("bad_target", "process_group: rank 1 of the group refused"),
+    "refused_on_one_rank": ("bad_target", "target: rank 1 of the group refused its argument"),
 }
 
 

@@ -375,6 +375,89 @@ def test_bad_bias_names_it(bias, exc):
 
 
 # ---------------------------------------------------------------------------------------
+# num_items_in_batch: one rule for ints, floats and tensors
+# ---------------------------------------------------------------------------------------
+
+INF, NAN = float("inf"), float("nan")
+ZEROS = (0, 0.0, torch.tensor(0), torch.tensor([0.0]))
+
+
+def _items_problem(all_ignored: bool = False):
+    """On the CPU: a count refused there raises (on a GPU a device-side assertion does)."""
+    x, w, _, y = (t.cpu() for t in _problem())
+    if all_ignored:
+        y = torch.full_like(y, -100)
+    return x.requires_grad_(True), w.requires_grad_(True), y
+
+
+def _sum_over(n, all_ignored: bool = False, head: bool = False):
+    x, w, y = _items_problem(all_ignored)
+    if head:
+        lm = vp.VocabParallelLMHead.from_shard(torch.nn.Parameter(w), w.shape[0], 0)
+        return lm(x, y, num_items_in_batch=n), x, lm.weight
+    loss = vp.vocab_parallel_linear_cross_entropy(x, w, y, reduction="sum", num_items_in_batch=n)
+    return loss, x, w
+
+
+@pytest.mark.parametrize("n", [3, 2.5, torch.tensor(3), torch.tensor([2.5])], ids=str)
+def test_num_items_in_batch_divides_the_sum(n):
+    x, w, y = _items_problem()
+    total = vp.vocab_parallel_linear_cross_entropy(x, w, y, reduction="sum")
+    loss, _, _ = _sum_over(n)
+    torch.testing.assert_close(loss, total / float(n), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["loss", "head"])
+@pytest.mark.parametrize("n", ZEROS, ids=str)
+def test_num_items_zero_on_an_all_ignored_batch_gives_zero_loss_and_gradients(n, head):
+    loss, x, w = _sum_over(n, all_ignored=True, head=head)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert not x.grad.any() and not w.grad.any()
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["loss", "head"])
+@pytest.mark.parametrize(
+    "n",
+    [*ZEROS, -3, -0.5, torch.tensor(-2), torch.tensor([-1.0]), INF, NAN, torch.tensor(INF),
+     torch.tensor(NAN), -INF],
+    ids=str,
+)  # fmt: skip
+def test_num_items_in_batch_not_a_finite_positive_count_raises_naming_it(n, head):
+    """0 with tokens that count (it gave the undivided sum for a tensor), an infinite count
+    (it gave 0), a negative tensor (it counted as 1): a ValueError, for each kind alike."""
+    with pytest.raises(ValueError, match="^num_items_in_batch: expected a finite count > 0"):
+        _sum_over(n, head=head)
+
+
+@pytest.mark.parametrize("n", [True, torch.tensor(True), "3", [3], torch.tensor(1j)], ids=str)
+def test_num_items_in_batch_not_a_number_is_a_type_error_naming_it(n):
+    with pytest.raises(TypeError, match="^num_items_in_batch: "):
+        _sum_over(n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="about a GPU's host syncs")
+def test_num_items_in_batch_on_a_gpu_is_checked_without_a_host_sync():
+    """A CUDA count (and a count of 0 against CUDA targets) is checked by device-side
+    assertions: reading it back would wait for the device at every step."""
+    from vocab_parallel.reduction import check_items_counted, check_num_items_in_batch
+
+    y = torch.randint(0, 9, (8,), device="cuda")
+    ignored = torch.full_like(y, -100)
+    counts = [torch.tensor(5, device="cuda"), torch.tensor([0.0], device="cuda")]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for n, target in zip(counts, (y, ignored), strict=True):
+            check_num_items_in_batch(n)
+            check_items_counted(n, target, -100)
+        check_items_counted(0, ignored, -100)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()  # and none of the assertions fired
+
+
+# ---------------------------------------------------------------------------------------
 # The backward operator's options
 # ---------------------------------------------------------------------------------------
 

@@ -20,6 +20,8 @@ brings its own tokens) the token count and checksums of the targets and of ``hid
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -28,6 +30,7 @@ from vocab_parallel.options import (
     BACKENDS,
     FILTER_GRADS,
     MODES,
+    OPTION_NAMES,
     REDUCTIONS,
     LossOptions,
     StatsRequest,
@@ -36,6 +39,15 @@ from vocab_parallel.options import (
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Entries whose difference means another rank refused its arguments.
 REFUSED = "arguments refused on this rank"
+# The parameters a refusal's message can start with. The refusing rank puts which one (and
+# whether it raised a TypeError) in its REFUSED entry, so that every rank's error names it
+# without another collective. Every rank runs this code: one order everywhere.
+REFUSABLE = OPTION_NAMES + (
+    "process_group", "hidden", "weight", "target", "num_items_in_batch",
+    "entropy", "sum_p_squared", "top_k", "argmax",
+    "teacher_head", "teacher_hidden", "teacher_weight", "teacher_bias", "teacher_topk_ids",
+    "teacher_topk_logprobs", "divergence", "beta", "hard_label_weight", "options",
+)  # fmt: skip
 
 
 def _code(value, choices) -> float:
@@ -45,6 +57,16 @@ def _code(value, choices) -> float:
 def _filter_code(filter_eps) -> float:
     """``filter_eps`` as a number: -1 for None, -2 for ``"auto"``, else its value."""
     return -1.0 if filter_eps is None else -2.0 if filter_eps == "auto" else filter_eps
+
+
+def _items_code(n) -> object:
+    """``num_items_in_batch`` as an entry: -1 for None (a count is never negative), a
+    tensor's value as a 0-d float64 tensor (not read here)."""
+    if n is None:
+        return -1.0
+    if isinstance(n, torch.Tensor):
+        return n.detach().reshape(()).to(torch.float64)
+    return float(n)
 
 
 def _checksum(t: torch.Tensor) -> list:
@@ -93,6 +115,7 @@ FIELDS = (
     ("requires_grad", "bias"),
     ("filter_eps", "filter_eps"),
     ("filter_grads", "filter_grads"),
+    ("num_items_in_batch", "num_items_in_batch"),
     ("numbers of tokens", "hidden"),
     ("values (checksum)", "target"),
     ("values (position checksum)", "target"),
@@ -124,12 +147,14 @@ def fingerprint(
     target: torch.Tensor,
     request: StatsRequest | None = None,
     extra: list[object] | None = None,
+    num_items_in_batch: object = None,
 ) -> list[object]:
     """What must agree across the ranks for this call (``hidden [N, H]``, ``target [N]``
     flattened, before any gathering; ``request``: the token statistics asked for, None for
     the loss; ``extra``: the :data:`DISTILL_FIELDS` of a distillation call, None for
-    others), in the order of :data:`FIELDS`; floats or 0-d tensors (the checksums stay
-    on the device until the one collective)."""
+    others; ``num_items_in_batch``: the loss's, checked already), in the order of
+    :data:`FIELDS`; floats or 0-d tensors (the checksums and a tensor count stay on the
+    device until the one collective)."""
     extra = [0.0] * len(DISTILL_FIELDS) if extra is None else list(extra)
     request = StatsRequest() if request is None else request
     temp = opts.temperature
@@ -166,6 +191,7 @@ def fingerprint(
         float(grad and bias is not None and bias.requires_grad),
         _filter_code(opts.filter_eps),
         _code(opts.filter_grads, FILTER_GRADS),
+        _items_code(num_items_in_batch),
     ]
     if opts.sequence_parallel:  # each rank brings its own tokens: nothing to compare
         return f + [0.0] * 6 + extra
@@ -185,11 +211,42 @@ def _shown(field: int, value: float) -> str:
             return repr(choices[int(value)])
     if name == "filter_grads" and 0 <= value < len(FILTER_GRADS):
         return repr(FILTER_GRADS[int(value)])
-    if name in ("softcap", "filter_eps") and value == -1.0:
+    if name in ("softcap", "filter_eps", "num_items_in_batch") and value == -1.0:
         return "None"
     if name == "filter_eps" and value == -2.0:
         return "'auto'"
     return f"{value:.10g}" if "checksum" in name else f"{value:g}"
+
+
+def _refusal_code(err: BaseException | None) -> float:
+    """A refusing rank's REFUSED entry: ``1 + 2 i + t``, ``i`` the index in
+    :data:`REFUSABLE` of the parameter its message starts with (``len(REFUSABLE)`` for
+    another, or no error), ``t`` 1 for a ``TypeError``, 0 for a ``ValueError``."""
+    name = "" if err is None else str(err).split(":", 1)[0].split(",", 1)[0].strip()
+    i = REFUSABLE.index(name) if name in REFUSABLE else len(REFUSABLE)
+    return 1.0 + 2.0 * i + float(isinstance(err, TypeError))
+
+
+def _refused(code: float, refused_by: list[str]) -> Exception:
+    """What a rank whose arguments were accepted raises when ``refused_by`` refused theirs,
+    from the first one's REFUSED entry ``code``: its exception type, and a message
+    starting with the parameter it named."""
+    i, t = divmod(int(code) - 1, 2)
+    kind = TypeError if t else ValueError
+    who = f"{', '.join(refused_by)} of the group"
+    rest = (
+        "; every rank of the tensor-parallel group must pass valid arguments, the same "
+        "options and the same tokens"
+    )
+    if i < len(REFUSABLE):
+        return kind(
+            f"{REFUSABLE[i]}: {who} refused its argument (a {kind.__name__} there, whose "
+            f"message says why){rest}"
+        )
+    return kind(
+        f"process_group: {who} refused its arguments (a {kind.__name__} there, whose message "
+        f"names the parameter){rest}"
+    )
 
 
 def check_agreement(
@@ -202,7 +259,8 @@ def check_agreement(
     rank then reads every rank's fingerprint and raises the same ``ValueError`` when they
     differ, naming the parameter and each rank's value. ``own_error``: this rank's refusal
     of its arguments (``values`` is then None), raised here after the collective; the
-    other ranks raise a ``ValueError`` naming the rank that refused."""
+    other ranks raise an error of its type naming its parameter and the rank that
+    refused."""
     n = world_size(process_group)
     if n == 1:
         if own_error is not None:
@@ -211,7 +269,7 @@ def check_agreement(
     rank, k = dist.get_rank(process_group), len(FIELDS)
     table = torch.zeros((n, k), dtype=torch.float64, device=device)
     if values is None:
-        table[rank, 0] = 1.0
+        table[rank, 0] = _refusal_code(own_error)
     else:
         table[rank] = torch.stack(
             [torch.as_tensor(v, dtype=torch.float64).to(device) for v in values]
@@ -223,12 +281,10 @@ def check_agreement(
     if refused_by:
         if own_error is not None:
             raise own_error
-        raise ValueError(
-            f"process_group: {', '.join(refused_by)} of the group refused its arguments (its "
-            "error names the parameter); every rank must pass the same options and tokens"
-        )
+        raise _refused(next(row[0] for row in rows if row[0] != 0.0), refused_by)
     for field, (what, param) in enumerate(FIELDS):
-        column = [row[field] for row in rows]
+        # NaN (a tensor's count, not read before) is one value: math.nan, one object
+        column = [v if v == v else math.nan for v in (row[field] for row in rows)]
         if len(set(column)) == 1:
             continue
         per_rank = ", ".join(

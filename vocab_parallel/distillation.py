@@ -53,7 +53,7 @@ from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.entry import autocast_inputs, prepare_call
 from vocab_parallel.grad_in_forward import hand_out, outputs, walk_token_chunks
 from vocab_parallel.interface import Outputs
-from vocab_parallel.options import LossOptions
+from vocab_parallel.options import LossOptions, PendingOptions, given_option
 from vocab_parallel.reduction import mean_denominator, reduce_losses
 from vocab_parallel.stats import Call
 
@@ -127,7 +127,7 @@ def vocab_parallel_distillation_loss(
     Raises:
         TypeError, ValueError: naming the parameter, on every rank of the group alike.
     """
-    opts = LossOptions(
+    opts = PendingOptions(  # made in the guarded step of prepare_call
         ignore_index=ignore_index, reduction=reduction, softcap=softcap,
         temperature=temperature, bias=bias, mode=mode, backend=backend,
         check_inputs=check_inputs, sequence_parallel=sequence_parallel,
@@ -273,14 +273,15 @@ def _check_teacher(hidden, weight, given: dict, target, opts: LossOptions, spec:
 
 
 def run_distillation(
-    hidden, weight, given: dict, target, opts: LossOptions, process_group, divergence, beta,
-    hard_label_weight,
+    hidden, weight, given: dict, target, opts: LossOptions | PendingOptions, process_group,
+    divergence, beta, hard_label_weight,
 ) -> torch.Tensor:  # fmt: skip
-    """:func:`vocab_parallel_distillation_loss` for options already made (the LM head's
-    entry); ``given``: the teacher's tensors by name (``hidden``, ``weight``, ``bias``,
-    ``ids``, ``logprobs``)."""
+    """:func:`vocab_parallel_distillation_loss` for options already made or pending (made,
+    like the other arguments checked, where a refusal raises on every rank alike:
+    ``prepare_call``); ``given``: the teacher's tensors by name (``hidden``, ``weight``,
+    ``bias``, ``ids``, ``logprobs``)."""
     checked: dict = {}
-    spec_box: list[Spec] = []
+    spec_box: list = []  # the Spec, then the options' sequence_parallel (made by check)
 
     def check(o: LossOptions) -> None:
         if divergence not in DIVERGENCES:
@@ -293,11 +294,11 @@ def run_distillation(
             raise ValueError("options: label_smoothing, z_loss, class_weight and return_lse "
                              "are options of the cross entropy, not of distillation")  # fmt: skip
         checked.update(_check_teacher(hidden, weight, given, target, o, spec))
-        spec_box.append(spec)
+        spec_box.extend((spec, o.sequence_parallel))
 
     def agree() -> list:
         spec = spec_box[0]
-        sp = opts.sequence_parallel
+        sp = spec_box[1]
         code = float(DIVERGENCES.index(spec.divergence))
         if spec.sparse:
             ids, lps = checked["ids"], checked["logprobs"]
@@ -311,8 +312,8 @@ def run_distillation(
                 float(spec.has_target), *sums, 0.0, 0.0]  # fmt: skip
 
     if target is None:  # no hard labels: every token counts (the checks see zeros)
-        shape = _token_shape(hidden, opts.sequence_parallel) if isinstance(
-            hidden, torch.Tensor) else ()  # fmt: skip
+        sp = given_option(opts, "sequence_parallel") is True  # else refused when made
+        shape = _token_shape(hidden, sp) if isinstance(hidden, torch.Tensor) else ()
         device = hidden.device if isinstance(hidden, torch.Tensor) else None
         target_t = torch.zeros(shape, dtype=torch.int64, device=device)
     else:

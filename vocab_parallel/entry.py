@@ -26,8 +26,8 @@ from vocab_parallel.backend import resolve_backend
 from vocab_parallel.checks import check_member, check_targets
 from vocab_parallel.distributed import world_size
 from vocab_parallel.layout import resolve_layout
-from vocab_parallel.options import LossOptions, StatsRequest
-from vocab_parallel.reduction import check_num_items_in_batch
+from vocab_parallel.options import LossOptions, PendingOptions, StatsRequest, given_option, made
+from vocab_parallel.reduction import check_items_counted, check_num_items_in_batch
 from vocab_parallel.sharded import check_gathered
 from vocab_parallel.stats import Call
 
@@ -174,7 +174,7 @@ def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items
     """The call's tensors unwrapped (DTensors), cast (autocast) and validated, and the
     backend that runs them: ``(hidden, weight, target, bias, opts, process_group, which)``."""
     if num_items_in_batch is not None:
-        check_num_items_in_batch(num_items_in_batch)
+        check_num_items_in_batch(num_items_in_batch, read=opts.check_inputs)
         if opts.reduction != "sum":
             raise ValueError(
                 f"reduction: {opts.reduction!r} cannot be combined with num_items_in_batch "
@@ -196,47 +196,67 @@ def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items
     return hidden, weight, target, bias, opts, process_group, which
 
 
+def _told(process_group, weight):
+    """The group told of a refusal: ``process_group``, else the mesh's group of a DTensor
+    ``weight`` on a 1-D mesh (the group its call uses: ``vocab_parallel.dtensor``)."""
+    if process_group is None and "torch.distributed.tensor" in sys.modules:
+        from vocab_parallel.dtensor import is_dtensor
+
+        if is_dtensor(weight) and weight.device_mesh.ndim == 1:
+            return weight.device_mesh.get_group()
+    return process_group
+
+
 def prepare_call(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    opts: LossOptions,
+    opts: LossOptions | PendingOptions,
     process_group: dist.ProcessGroup | None,
     resolve_mode: Callable[[LossOptions, bool, torch.dtype], str],
     *,
     num_items_in_batch: Any = None,
-    request: StatsRequest | None = None,
+    request: StatsRequest | Callable[[], StatsRequest] | None = None,
     check: Callable[[LossOptions], None] | None = None,
     agree: Callable[[], list] | None = None,
 ) -> Prepared:
     """The :class:`Prepared` call of an entry.
 
-    ``resolve_mode(opts, track, dtype)``: the entry's mode (``track``: whether a backward
-    can follow). ``request``: the token statistics asked for (compared across ranks like
-    the options). ``check(opts)``: the entry's own checks of its options, raised like
-    the others. ``agree()``: the entry's own fields of the ranks' agreement
+    ``opts``: the options, or :class:`~vocab_parallel.options.PendingOptions` made here, in
+    the guarded step below (an entry that builds its options from the user's values passes
+    them so). ``resolve_mode(opts, track, dtype)``: the entry's mode (``track``: whether a
+    backward can follow). ``request``: the token statistics asked for (compared across
+    ranks like the options), or a function that makes them (called in the guarded step;
+    the call's ``request`` then). ``check(opts)``: the entry's own checks of its options,
+    raised like the others. ``agree()``: the entry's own fields of the ranks' agreement
     (``vocab_parallel.agreement.DISTILL_FIELDS``), called after the checks. With
     ``check_inputs`` the ranks of the group first compare what must agree
     (``vocab_parallel.agreement``): a difference, or arguments refused on one rank, raise
     on every rank alike before any collective whose size depends on the inputs."""
     check_member(process_group)
+    # Known before the options are made: any value but False tells the others of a refusal
+    # (an invalid check_inputs is itself refused when they are made).
+    guarded = given_option(opts, "check_inputs") is not False
     try:
+        opts, request = made(opts), made(request)
         if check is not None:
             check(opts)
         hidden, weight, target, bias, opts, process_group, which = _prepare(
             hidden, weight, target, opts, process_group, num_items_in_batch
         )
     except (TypeError, ValueError) as err:
-        if opts.check_inputs and world_size(process_group) > 1:  # the others must not wait
+        group = _told(process_group, weight)
+        if guarded and world_size(group) > 1:  # the others must not wait
             device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-            _agree(None, process_group, device, own_error=err)
+            _agree(None, group, device, own_error=err)
         raise
     shape = tuple(target.shape)
     t1 = target.reshape(-1).to(torch.int64)
     h2 = hidden.reshape(t1.shape[0], hidden.shape[-1])  # not (-1, H): H may be 0
     if opts.check_inputs and world_size(process_group) > 1:
         extra = None if agree is None else agree()
-        _agree(fingerprint(opts, h2, weight, t1, request, extra), process_group, hidden.device)
+        values = fingerprint(opts, h2, weight, t1, request, extra, num_items_in_batch)
+        _agree(values, process_group, hidden.device)
     temp, accum = opts.temperature, precision.accumulate_dtype(hidden.dtype)
     slices = None  # sequence_parallel: all tokens of the group, gathered
     if opts.sequence_parallel:
@@ -258,6 +278,8 @@ def prepare_call(
         alone = world_size(process_group) == 1
         rows = (layout.start, layout.start + layout.size) if alone else None
         check_targets(t1, opts.ignore_index, layout.global_size, rows)
+        if num_items_in_batch is not None:  # the same count and targets on every rank
+            check_items_counted(num_items_in_batch, t1, opts.ignore_index)
     if request is not None and request.candidates > layout.global_size:
         raise ValueError(
             f"top_k: expected at most the global vocabulary size {layout.global_size}, "
@@ -275,5 +297,6 @@ def prepare_call(
         track=track,
         class_weight=None if cw is None else cw.detach().to(accum),
         inv_temperature=_inverse_temperature(opts, t1, accum, opts.check_inputs),
+        request=request,
     )
     return Prepared(call, h2, weight, bias, t1, slices, shape)

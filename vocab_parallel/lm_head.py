@@ -16,6 +16,7 @@ option of that function is an option of the head, including ones added to it lat
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from vocab_parallel.options import (
     LAYOUT_OPTIONS,
     OPTION_NAMES,
     LossOptions,
+    PendingOptions,
     StatsRequest,
     shown_options,
 )
@@ -225,9 +227,10 @@ class VocabParallelLMHead(nn.Module):
             num_items_in_batch: the loss is then the SUM over this call's tokens divided by
                 ``num_items_in_batch`` (Hugging Face's convention for gradient accumulation:
                 the non-ignored tokens of all micro-batches of a step, so that their losses
-                add up to the step's mean). An int >= 1 or a 0-d / one-element tensor (a
-                tensor count of 0 gives 0, not NaN). With it, ``reduction`` may only be
-                ``None`` or ``"sum"``.
+                add up to the step's mean). A finite count > 0 (an int, a float or a 0-d /
+                one-element tensor); 0 only for a batch whose tokens are all ignored (the
+                loss is then 0, not NaN). With it, ``reduction`` may only be ``None`` or
+                ``"sum"``.
         """
         if not self._dtensor_weight:  # a DTensor here is FSDP2's shard, outside its forward
             check_plain("weight", self.weight)
@@ -235,18 +238,13 @@ class VocabParallelLMHead(nn.Module):
             "vocab_start_index": self.vocab_start_index,
             "global_vocab_size": self.vocab_size,  # layout known: no collective per call
         }
-        if num_items_in_batch is not None:
-            if reduction not in (None, "sum"):
-                raise ValueError(
-                    f"reduction: {reduction!r} cannot be combined with num_items_in_batch "
-                    "(the loss is then the sum divided by num_items_in_batch)"
-                )
-            reduction = "sum"
+        if num_items_in_batch is not None and reduction is None:
+            reduction = "sum"  # another one is refused with num_items_in_batch (prepare_call)
         if reduction is not None:
             changes["reduction"] = reduction
         if self.bias is not None:
             changes["bias"] = self.bias
-        opts = self.options.replace(**changes)
+        opts = PendingOptions(self.options, **changes)  # made where a refusal is told to all
         return run_loss(hidden, self.weight, target, opts, self.process_group, num_items_in_batch)
 
     def token_stats(
@@ -277,14 +275,14 @@ class VocabParallelLMHead(nn.Module):
         if chosen["mode"] not in TOKEN_STATS_MODES:
             chosen["mode"] = "auto"
         chosen.update(options)
-        opts = LossOptions(
+        opts = PendingOptions(  # made, like the request, where a refusal is told to all
             reduction="none",
             bias=self.bias,
             vocab_start_index=self.vocab_start_index,
             global_vocab_size=self.vocab_size,
             **chosen,
         )
-        request = StatsRequest(entropy, sum_p_squared, top_k, argmax)
+        request = functools.partial(StatsRequest, entropy, sum_p_squared, top_k, argmax)
         return run_token_stats(hidden, self.weight, target, opts, request, self.process_group)
 
     def distillation_loss(
@@ -307,6 +305,33 @@ class VocabParallelLMHead(nn.Module):
         shards and biases and this head's options (``softcap``, ``ignore_index``,
         ``mode``, ``backend``, ``sequence_parallel``...; ``options`` override them for
         this call). No gradient reaches the teacher's parameters."""
+        unknown = sorted(set(options) - set(DISTILL_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"{unknown[0]}: not an option of distillation_loss (its options: "
+                f"{', '.join(DISTILL_OPTIONS)})"
+            )
+        chosen = {name: getattr(self.options, name) for name in DISTILL_OPTIONS}
+        chosen.update(options)
+        opts = PendingOptions(  # made, the teacher head checked, where a refusal is told to all
+            check=lambda: self._check_teacher_head(teacher_head),
+            reduction=reduction if reduction is not None else self.options.reduction,
+            temperature=temperature,
+            bias=self.bias,
+            vocab_start_index=self.vocab_start_index,
+            global_vocab_size=self.vocab_size,
+            **chosen,
+        )
+        teacher = (getattr(teacher_head, "weight", None), getattr(teacher_head, "bias", None))
+        given = dict(hidden=teacher_hidden, weight=teacher[0], bias=teacher[1], ids=None,
+                     logprobs=None)  # fmt: skip
+        return run_distillation(
+            hidden, self.weight, given, target, opts, self.process_group, divergence, beta,
+            hard_label_weight,
+        )  # fmt: skip
+
+    def _check_teacher_head(self, teacher_head: object) -> None:
+        """A teacher of :meth:`distillation_loss`: a head with this head's shard layout."""
         if not isinstance(teacher_head, VocabParallelLMHead):
             raise TypeError(
                 f"teacher_head: expected a VocabParallelLMHead, got {type(teacher_head).__name__}"
@@ -319,28 +344,6 @@ class VocabParallelLMHead(nn.Module):
                 f"teacher_head: its vocabulary rows {theirs[1:]} of {theirs[0]} differ from "
                 f"the student's {mine[1:]} of {mine[0]}; the heads must share one layout"
             )
-        unknown = sorted(set(options) - set(DISTILL_OPTIONS))
-        if unknown:
-            raise TypeError(
-                f"{unknown[0]}: not an option of distillation_loss (its options: "
-                f"{', '.join(DISTILL_OPTIONS)})"
-            )
-        chosen = {name: getattr(self.options, name) for name in DISTILL_OPTIONS}
-        chosen.update(options)
-        opts = LossOptions(
-            reduction=reduction if reduction is not None else self.options.reduction,
-            temperature=temperature,
-            bias=self.bias,
-            vocab_start_index=self.vocab_start_index,
-            global_vocab_size=self.vocab_size,
-            **chosen,
-        )
-        given = dict(hidden=teacher_hidden, weight=teacher_head.weight, bias=teacher_head.bias,
-                     ids=None, logprobs=None)  # fmt: skip
-        return run_distillation(
-            hidden, self.weight, given, target, opts, self.process_group, divergence, beta,
-            hard_label_weight,
-        )  # fmt: skip
 
     def extra_repr(self) -> str:
         shown = shown_options(self.options)

@@ -1,7 +1,8 @@
 """The vocabulary-parallel linear + cross entropy: the public loss and its module.
 
 ``vocab_parallel_linear_cross_entropy`` builds its :class:`~vocab_parallel.options.LossOptions`
-(validated once), and :func:`run_loss` does the rest for every entry (the module, the LM
+(validated once, in the guarded step of ``prepare_call``, so that a value refused on one
+rank raises on every rank), and :func:`run_loss` does the rest for every entry (the module, the LM
 head, the integrations): the call prepared as every entry prepares it
 (``vocab_parallel.entry``: autocast, validation, agreement, layout, target checks), the
 autograd Function of the mode run on the flattened tokens and the result reduced
@@ -22,7 +23,13 @@ from vocab_parallel import sequence_parallel as _sp
 from vocab_parallel.autograd import VocabParallelLinearCE
 from vocab_parallel.entry import prepare_call
 from vocab_parallel.grad_in_forward import GradInForwardLinearCE
-from vocab_parallel.options import MODES, REDUCTIONS, LossOptions, shown_options
+from vocab_parallel.options import (
+    MODES,
+    REDUCTIONS,
+    LossOptions,
+    PendingOptions,
+    shown_options,
+)
 from vocab_parallel.reduction import reduce_losses
 
 __all__ = ["MODES", "REDUCTIONS", "LossOutput", "run_loss", "vocab_parallel_linear_cross_entropy"]
@@ -111,7 +118,9 @@ def vocab_parallel_linear_cross_entropy(
             this rank's slice of the group's tokens (uneven slices allowed); the loss is
             over all of them, ``"none"`` gives this rank's tokens.
         num_items_in_batch: the loss is then the SUM divided by it (Hugging Face's
-            gradient accumulation); ``reduction`` must be ``"sum"`` then.
+            gradient accumulation); ``reduction`` must be ``"sum"`` then. A finite count
+            > 0 (an int, a float or a one-element tensor, the same on every rank); 0 only
+            for a batch whose tokens are all ignored (the loss is then 0).
         filter_eps: gradient filtering, which changes the gradients (not the loss):
             ``None`` (default): exact. ``"auto"`` (``eps(input dtype) / 32``: 2^-12 for
             bf16, 2^-28 for fp32) or a float ``eps >= 0``: each vocabulary column of a
@@ -134,7 +143,7 @@ def vocab_parallel_linear_cross_entropy(
         TypeError, ValueError: naming the parameter, on every rank of the group alike for
             what concerns the group (layout, token counts, target ids).
     """
-    opts = LossOptions(
+    opts = PendingOptions(  # made in the guarded step of prepare_call
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         softcap=softcap, z_loss=z_loss, temperature=temperature, class_weight=class_weight,
         bias=bias, return_lse=return_lse, mode=mode, backend=backend,
@@ -149,11 +158,12 @@ def run_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    opts: LossOptions,
+    opts: LossOptions | PendingOptions,
     process_group: dist.ProcessGroup | None = None,
     num_items_in_batch: Any = None,
 ) -> torch.Tensor | LossOutput:
-    """The loss of ``vocab_parallel_linear_cross_entropy`` for options already made.
+    """The loss of ``vocab_parallel_linear_cross_entropy`` for options already made (or
+    pending: made where a refused value raises on every rank alike).
 
     With ``check_inputs`` the ranks of the group first compare what must agree
     (``vocab_parallel.agreement``): a difference, or arguments refused on one rank, raise
@@ -233,12 +243,9 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         bias: torch.Tensor | None = None,
         class_weight: torch.Tensor | None = None,
     ) -> torch.Tensor | LossOutput:
-        opts = self.options
-        if bias is not None or class_weight is not None:
-            opts = opts.replace(
-                bias=bias if bias is not None else opts.bias,
-                class_weight=class_weight if class_weight is not None else opts.class_weight,
-            )
+        given = {"bias": bias, "class_weight": class_weight}
+        given = {name: value for name, value in given.items() if value is not None}
+        opts = PendingOptions(self.options, **given) if given else self.options
         return run_loss(hidden, weight, target, opts, self.process_group)
 
     def extra_repr(self) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,6 +216,60 @@ class StatsRequest:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
+
+
+class PendingOptions:
+    """A call's options as the user gave them, not validated yet: :class:`LossOptions`
+    made by :meth:`make` inside the entry's guarded step
+    (:func:`vocab_parallel.entry.prepare_call`), so that a value refused on one rank raises
+    on every rank of the group alike, instead of leaving the others waiting in the ranks'
+    agreement (``docs/design.md``, "Collectives and agreement").
+
+    ``PendingOptions(base, check=None, **given)``: ``base`` (a :class:`LossOptions`, or None
+    for the defaults) with the options ``given`` this call; ``check()``: more checks of the
+    call's arguments, run first by :meth:`make` (messages naming the parameter)."""
+
+    def __init__(
+        self,
+        base: LossOptions | None = None,
+        check: Callable[[], None] | None = None,
+        **given: Any,
+    ) -> None:
+        self.base, self.check, self.given = base, check, given
+
+    def make(self) -> LossOptions:
+        """The validated :class:`LossOptions` (a ``TypeError`` or ``ValueError`` naming the
+        parameter otherwise)."""
+        if self.check is not None:
+            self.check()
+        if self.base is None:
+            return loss_options(**self.given)
+        return self.base.replace(**self.given)
+
+    def replace(self, **changes: Any) -> PendingOptions:
+        """These options with ``changes``, still pending (as :meth:`LossOptions.replace`)."""
+        return PendingOptions(self.base, self.check, **(self.given | changes))
+
+    def value(self, name: str) -> Any:
+        """The option ``name`` as given (not validated)."""
+        if name in self.given:
+            return self.given[name]
+        return getattr(LossOptions() if self.base is None else self.base, name)
+
+
+def given_option(opts: LossOptions | PendingOptions, name: str) -> Any:
+    """The option ``name`` of options made or pending (then as given, maybe invalid)."""
+    return opts.value(name) if isinstance(opts, PendingOptions) else getattr(opts, name)
+
+
+def made(value: Any) -> Any:
+    """What an entry makes in its guarded step: pending options made, a function (one that
+    makes a :class:`StatsRequest`, say) called, anything else as it is."""
+    if isinstance(value, PendingOptions):
+        return value.make()
+    return value() if callable(value) else value
+
+
 # Options that a head sets itself from its shard.
 LAYOUT_OPTIONS = frozenset({"vocab_start_index", "global_vocab_size"})
 

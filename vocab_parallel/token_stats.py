@@ -27,6 +27,8 @@ kept between forward and backward in the default (memory-saving) mode.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -39,7 +41,7 @@ from vocab_parallel.backend import get_backend
 from vocab_parallel.distributed import world_size
 from vocab_parallel.entry import prepare_call
 from vocab_parallel.interface import GradTerms, Outputs
-from vocab_parallel.options import LossOptions, StatsRequest
+from vocab_parallel.options import LossOptions, PendingOptions, StatsRequest
 from vocab_parallel.stats import Call, forward_stats, local_targets, reduce_statistics
 from vocab_parallel.topk import exchange_candidates, shard_candidates
 
@@ -113,17 +115,26 @@ def vocab_parallel_token_stats(
     Raises:
         TypeError, ValueError: naming the parameter, on every rank of the group alike.
     """
-    opts = LossOptions(
+    opts = PendingOptions(  # made in the guarded step of prepare_call, like the request
         ignore_index=ignore_index, reduction="none", softcap=softcap, temperature=temperature,
         bias=bias, mode=mode, backend=backend, check_inputs=check_inputs,
         sequence_parallel=sequence_parallel, vocab_start_index=vocab_start_index,
         global_vocab_size=global_vocab_size,
     )  # fmt: skip
-    request = StatsRequest(entropy, sum_p_squared, top_k, argmax)
+    request = functools.partial(StatsRequest, entropy, sum_p_squared, top_k, argmax)
     return run_token_stats(hidden, weight, target, opts, request, process_group)
 
 
-def _check_mode(opts: LossOptions) -> None:
+def _check_options(opts: LossOptions) -> None:
+    """Only the options of the logits apply; the mode must allow per-token outputs."""
+    loss_only = {
+        "label_smoothing": opts.label_smoothing != 0.0,
+        "z_loss": opts.z_loss != 0.0,
+        "class_weight": opts.class_weight is not None,
+    }
+    for name, given in loss_only.items():
+        if given:
+            raise ValueError(f"{name}: an option of the loss, not of the token statistics")
     if opts.mode not in TOKEN_STATS_MODES:
         raise ValueError(
             f"mode: expected one of {TOKEN_STATS_MODES} for per-token statistics, got "
@@ -139,32 +150,27 @@ def run_token_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    opts: LossOptions,
-    request: StatsRequest,
+    opts: LossOptions | PendingOptions,
+    request: StatsRequest | Callable[[], StatsRequest],
     process_group: dist.ProcessGroup | None = None,
     *,
     partial_grad_input: bool = False,
 ) -> TokenStats:
-    """:func:`vocab_parallel_token_stats` for options already made (the LM head's entry).
-    Only the options of the logits apply (``reduction``, ``label_smoothing``, ``z_loss``,
-    ``class_weight`` and ``return_lse`` must be their defaults). ``partial_grad_input``:
-    ``hidden``'s gradient is this rank's share, not summed over the group (for a caller
-    that sums it itself; not with sequence parallelism)."""
-    loss_only = {
-        "label_smoothing": opts.label_smoothing != 0.0,
-        "z_loss": opts.z_loss != 0.0,
-        "class_weight": opts.class_weight is not None,
-    }
-    for name, given in loss_only.items():
-        if given:
-            raise ValueError(f"{name}: an option of the loss, not of the token statistics")
+    """:func:`vocab_parallel_token_stats` for options already made (the LM head's entry),
+    or pending, and a request or a function that makes it (both made where a refused
+    value raises on every rank alike: ``prepare_call``). Only the options of the logits
+    apply (``reduction``, ``label_smoothing``, ``z_loss``, ``class_weight`` and
+    ``return_lse`` must be their defaults). ``partial_grad_input``: ``hidden``'s
+    gradient is this rank's share, not summed over the group (for a caller that sums it
+    itself; not with sequence parallelism)."""
     opts = opts.replace(reduction="none", return_lse=False)
     call, h2, weight, bias, t1, slices, shape = prepare_call(
         hidden, weight, target, opts, process_group, _resolve_mode, request=request,
-        check=_check_mode,
+        check=_check_options,
     )  # fmt: skip
+    request = call.request
     if partial_grad_input:
-        if opts.sequence_parallel:
+        if call.opts.sequence_parallel:
             raise ValueError("sequence_parallel: not with a rank-local (partial) grad_input")
         call = dataclasses.replace(call, partial_grad_input=True)
     k = request.candidates

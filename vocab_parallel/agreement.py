@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from vocab_parallel.distributed import all_reduce, group_ranks, world_size
+from vocab_parallel.objective import MAX_FIELDS, OBJECTIVES
 from vocab_parallel.options import (
     BACKENDS,
     FILTER_GRADS,
@@ -33,7 +34,6 @@ from vocab_parallel.options import (
     OPTION_NAMES,
     REDUCTIONS,
     LossOptions,
-    StatsRequest,
 )
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -98,10 +98,6 @@ FIELDS = (
     ("z_loss", "z_loss"),
     ("return_lse", "return_lse"),
     ("sequence_parallel", "sequence_parallel"),
-    ("entropy", "entropy"),
-    ("sum_p_squared", "sum_p_squared"),
-    ("top_k", "top_k"),
-    ("argmax", "argmax"),
     ("bias given", "bias"),
     ("class_weight given", "class_weight"),
     ("temperature as a tensor", "temperature"),
@@ -123,21 +119,9 @@ FIELDS = (
     ("values (position checksum)", "hidden"),
     ("values (checksum)", "temperature"),
 )
-# What a distillation call adds (``vocab_parallel.distillation``; 0 for other calls).
-DISTILL_FIELDS = (
-    ("divergence", "divergence"),
-    ("beta", "beta"),
-    ("hard_label_weight", "hard_label_weight"),
-    ("teacher form (dense, top-k)", "teacher_hidden"),
-    ("teacher size (hidden size or k)", "teacher_hidden"),
-    ("teacher_bias given", "teacher_bias"),
-    ("target given", "target"),
-    ("values (checksum)", "teacher_hidden"),
-    ("values (position checksum)", "teacher_hidden"),
-    ("values (checksum)", "teacher_topk_logprobs"),
-    ("values (checksum)", "teacher_topk_ids"),
-)
-FIELDS += DISTILL_FIELDS
+# Then each rank's objective (its code in OBJECTIVES) and the objective's own entries
+# (``Objective.fields``), padded to MAX_FIELDS.
+OBJECTIVE = len(FIELDS)
 
 
 def fingerprint(
@@ -145,18 +129,13 @@ def fingerprint(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    request: StatsRequest | None = None,
-    extra: list[object] | None = None,
     num_items_in_batch: object = None,
 ) -> list[object]:
     """What must agree across the ranks for this call (``hidden [N, H]``, ``target [N]``
-    flattened, before any gathering; ``request``: the token statistics asked for, None for
-    the loss; ``extra``: the :data:`DISTILL_FIELDS` of a distillation call, None for
-    others; ``num_items_in_batch``: the loss's, checked already), in the order of
-    :data:`FIELDS`; floats or 0-d tensors (the checksums and a tensor count stay on the
-    device until the one collective)."""
-    extra = [0.0] * len(DISTILL_FIELDS) if extra is None else list(extra)
-    request = StatsRequest() if request is None else request
+    flattened, before any gathering; ``num_items_in_batch``: the loss's, checked
+    already), in the order of :data:`FIELDS`; floats or 0-d tensors (the checksums and a
+    tensor count stay on the device until the one collective). :func:`objective_row`
+    follows it."""
     temp = opts.temperature
     grad = torch.is_grad_enabled()
     bias = opts.bias
@@ -174,10 +153,6 @@ def fingerprint(
         opts.z_loss,
         float(opts.return_lse),
         float(opts.sequence_parallel),
-        float(request.entropy),
-        float(request.sum_p_squared),
-        float(request.top_k),
-        float(request.argmax),
         float(bias is not None),
         float(opts.class_weight is not None),
         float(isinstance(temp, torch.Tensor)),
@@ -194,16 +169,28 @@ def fingerprint(
         _items_code(num_items_in_batch),
     ]
     if opts.sequence_parallel:  # each rank brings its own tokens: nothing to compare
-        return f + [0.0] * 6 + extra
+        return f + [0.0] * 6
     f.append(float(target.shape[0]))
     f += _checksum(target) + _checksum(hidden)
     f.append(_checksum(temp)[1] if isinstance(temp, torch.Tensor) else 0.0)
-    return f + extra
+    return f
 
 
-def _shown(field: int, value: float) -> str:
+def objective_row(name: str, own: list[tuple[str, str, object]]) -> list[object]:
+    """What follows :func:`fingerprint`: the objective's code in
+    :data:`~vocab_parallel.objective.OBJECTIVES` and its own entries ``own`` (``(what,
+    parameter, value)``, from ``Objective.fields``), padded to
+    :data:`~vocab_parallel.objective.MAX_FIELDS`."""
+    if len(own) > MAX_FIELDS:
+        raise RuntimeError(f"an objective adds at most {MAX_FIELDS} agreement entries")
+    values = [value for _, _, value in own]
+    return [float(OBJECTIVES.index(name)), *values, *[0.0] * (MAX_FIELDS - len(values))]
+
+
+def _shown(name: str, value: float) -> str:
     """A fingerprint entry as the user knows it (codes back to names)."""
-    name = FIELDS[field][0]
+    if name == "objective" and 0 <= value < len(OBJECTIVES):
+        return OBJECTIVES[int(value)]
     if name == "dtype":
         return str(_DTYPES[int(value)]).removeprefix("torch.") if value >= 0 else "other"
     for n, choices in (("reduction", REDUCTIONS), ("mode", MODES), ("backend", BACKENDS)):
@@ -254,19 +241,21 @@ def check_agreement(
     process_group: dist.ProcessGroup | None,
     device: torch.device,
     own_error: BaseException | None = None,
+    own: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """One SUM all-reduce of a ``[ranks, fields]`` table (each rank fills its row): every
     rank then reads every rank's fingerprint and raises the same ``ValueError`` when they
     differ, naming the parameter and each rank's value. ``own_error``: this rank's refusal
     of its arguments (``values`` is then None), raised here after the collective; the
     other ranks raise an error of its type naming its parameter and the rank that
-    refused."""
+    refused. ``own``: ``(what, parameter)`` of the objective's own entries (the call's;
+    the ranks compare the objective first, so theirs have the same names)."""
     n = world_size(process_group)
     if n == 1:
         if own_error is not None:
             raise own_error
         return
-    rank, k = dist.get_rank(process_group), len(FIELDS)
+    rank, k = dist.get_rank(process_group), OBJECTIVE + 1 + MAX_FIELDS
     table = torch.zeros((n, k), dtype=torch.float64, device=device)
     if values is None:
         table[rank, 0] = _refusal_code(own_error)
@@ -282,13 +271,13 @@ def check_agreement(
         if own_error is not None:
             raise own_error
         raise _refused(next(row[0] for row in rows if row[0] != 0.0), refused_by)
-    for field, (what, param) in enumerate(FIELDS):
+    for field, (what, param) in enumerate([*FIELDS, ("objective", "process_group"), *own]):
         # NaN (a tensor's count, not read before) is one value: math.nan, one object
         column = [v if v == v else math.nan for v in (row[field] for row in rows)]
         if len(set(column)) == 1:
             continue
         per_rank = ", ".join(
-            f"{name}: {_shown(field, v)}" for name, v in zip(names, column, strict=True)
+            f"{name}: {_shown(what, v)}" for name, v in zip(names, column, strict=True)
         )
         raise ValueError(
             f"{param}: the ranks of process_group pass different {what} ({per_rank}); every "

@@ -53,6 +53,7 @@ from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.entry import autocast_inputs, prepare_call
 from vocab_parallel.grad_in_forward import hand_out, outputs, walk_token_chunks
 from vocab_parallel.interface import Outputs
+from vocab_parallel.objective import Objective
 from vocab_parallel.options import LossOptions, PendingOptions, given_option
 from vocab_parallel.reduction import mean_denominator, reduce_losses
 from vocab_parallel.stats import Call
@@ -280,37 +281,7 @@ def run_distillation(
     like the other arguments checked, where a refusal raises on every rank alike:
     ``prepare_call``); ``given``: the teacher's tensors by name (``hidden``, ``weight``,
     ``bias``, ``ids``, ``logprobs``)."""
-    checked: dict = {}
-    spec_box: list = []  # the Spec, then the options' sequence_parallel (made by check)
-
-    def check(o: LossOptions) -> None:
-        if divergence not in DIVERGENCES:
-            raise ValueError(f"divergence: expected one of {DIVERGENCES}, got {divergence!r}")
-        b = _number("beta", beta, 0.0, 1.0, open_ends=True)
-        a = _number("hard_label_weight", hard_label_weight, 0.0, 1.0, open_ends=False)
-        sparse = given["ids"] is not None or given["logprobs"] is not None
-        spec = Spec(divergence, b, a, sparse, target is not None)
-        if o.label_smoothing or o.z_loss or o.class_weight is not None or o.return_lse:
-            raise ValueError("options: label_smoothing, z_loss, class_weight and return_lse "
-                             "are options of the cross entropy, not of distillation")  # fmt: skip
-        checked.update(_check_teacher(hidden, weight, given, target, o, spec))
-        spec_box.extend((spec, o.sequence_parallel))
-
-    def agree() -> list:
-        spec = spec_box[0]
-        sp = spec_box[1]
-        code = float(DIVERGENCES.index(spec.divergence))
-        if spec.sparse:
-            ids, lps = checked["ids"], checked["logprobs"]
-            sums = [0.0, 0.0] + ([0.0, 0.0] if sp else [_checksum(lps)[1], _checksum(ids)[1]])
-            return [code, spec.beta, spec.hard_label_weight, 2.0, float(ids.shape[-1]), 0.0,
-                    float(spec.has_target), *sums]  # fmt: skip
-        th = checked["hidden"]
-        sums = [0.0, 0.0] if sp else _checksum(th.reshape(-1, th.shape[-1]))
-        given_bias = float(checked["bias"] is not None)
-        return [code, spec.beta, spec.hard_label_weight, 1.0, float(th.shape[-1]), given_bias,
-                float(spec.has_target), *sums, 0.0, 0.0]  # fmt: skip
-
+    objective = Distillation(hidden, weight, given, target, divergence, beta, hard_label_weight)
     if target is None:  # no hard labels: every token counts (the checks see zeros)
         sp = given_option(opts, "sequence_parallel") is True  # else refused when made
         shape = _token_shape(hidden, sp) if isinstance(hidden, torch.Tensor) else ()
@@ -319,10 +290,10 @@ def run_distillation(
     else:
         target_t = target
     call, h2, weight, bias, t1, slices, shape = prepare_call(
-        hidden, weight, target_t, opts, process_group, _resolve_mode, check=check, agree=agree
+        hidden, weight, target_t, opts, process_group, objective
     )
-    spec = spec_box[0]
-    teacher = _gather_teacher(checked, spec, slices, precision.accumulate_dtype(h2.dtype))
+    spec = objective.spec
+    teacher = _gather_teacher(objective.checked, spec, slices, precision.accumulate_dtype(h2.dtype))
     if call.opts.check_inputs and spec.sparse:
         _check_topk(teacher, t1, spec, call)
     reduction = call.opts.reduction
@@ -335,15 +306,69 @@ def run_distillation(
     return reduce_losses(losses, weights, reduction)
 
 
-def _resolve_mode(opts: LossOptions, track: bool, dtype) -> str:
-    mode = opts.mode
-    if mode in ("memory_saving", "high_performance"):
-        return mode
-    if mode == "auto" and dtype in (torch.float16, torch.float64):
-        return "memory_saving"  # as the loss (vocab_parallel.loss.resolve_mode)
-    if opts.reduction != "none" and track:
-        return "grad_in_forward"
-    return "memory_saving"
+class Distillation(Objective):
+    """Distillation, as the engine's entry sees it: its own arguments checked in the
+    entry's guarded step (the divergence, ``beta``, ``hard_label_weight``, the teacher's
+    tensors: kept as ``spec`` and ``checked``), its entries of the ranks' agreement, its
+    mode."""
+
+    name = "distillation"
+
+    def __init__(self, hidden, weight, given: dict, target, divergence, beta, hard_label_weight):
+        self.args = (hidden, weight, given, target, divergence, beta, hard_label_weight)
+        self.spec: Spec | None = None
+        self.checked: dict = {}
+        self.sequence_parallel = False
+
+    def check(self, opts: LossOptions) -> None:
+        hidden, weight, given, target, divergence, beta, hard_label_weight = self.args
+        if divergence not in DIVERGENCES:
+            raise ValueError(f"divergence: expected one of {DIVERGENCES}, got {divergence!r}")
+        b = _number("beta", beta, 0.0, 1.0, open_ends=True)
+        a = _number("hard_label_weight", hard_label_weight, 0.0, 1.0, open_ends=False)
+        sparse = given["ids"] is not None or given["logprobs"] is not None
+        spec = Spec(divergence, b, a, sparse, target is not None)
+        if opts.label_smoothing or opts.z_loss or opts.class_weight is not None or opts.return_lse:
+            raise ValueError("options: label_smoothing, z_loss, class_weight and return_lse "
+                             "are options of the cross entropy, not of distillation")  # fmt: skip
+        self.checked = _check_teacher(hidden, weight, given, target, opts, spec)
+        self.spec, self.sequence_parallel = spec, opts.sequence_parallel
+
+    def fields(self) -> list[tuple[str, str, object]]:
+        spec, checked, sp = self.spec, self.checked, self.sequence_parallel
+        f = [
+            ("divergence", "divergence", float(DIVERGENCES.index(spec.divergence))),
+            ("beta", "beta", spec.beta),
+            ("hard_label_weight", "hard_label_weight", spec.hard_label_weight),
+            ("target given", "target", float(spec.has_target)),
+        ]
+        if spec.sparse:
+            ids, lps = checked["ids"], checked["logprobs"]
+            f += [("teacher form (dense, top-k)", "teacher_topk_ids", 2.0)]
+            f += [("teacher size (k)", "teacher_topk_ids", float(ids.shape[-1]))]
+            if not sp:  # each rank brings its own tokens under sequence parallelism
+                f += [("values (checksum)", "teacher_topk_logprobs", _checksum(lps)[1])]
+                f += [("values (checksum)", "teacher_topk_ids", _checksum(ids)[1])]
+            return f
+        th = checked["hidden"]
+        f += [("teacher form (dense, top-k)", "teacher_hidden", 1.0)]
+        f += [("teacher hidden size", "teacher_hidden", float(th.shape[-1]))]
+        f += [("teacher_bias given", "teacher_bias", float(checked["bias"] is not None))]
+        if not sp:
+            sums = _checksum(th.reshape(-1, th.shape[-1]))
+            f += [("values (checksum)", "teacher_hidden", sums[0])]
+            f += [("values (position checksum)", "teacher_hidden", sums[1])]
+        return f
+
+    def mode(self, opts: LossOptions, track: bool, dtype: torch.dtype) -> str:
+        mode = opts.mode
+        if mode in ("memory_saving", "high_performance"):
+            return mode
+        if mode == "auto" and dtype in (torch.float16, torch.float64):
+            return "memory_saving"  # as the loss (vocab_parallel.loss.resolve_mode)
+        if opts.reduction != "none" and track:
+            return "grad_in_forward"
+        return "memory_saving"
 
 
 def _gather_teacher(checked: dict, spec: Spec, slices, accum) -> Teacher:

@@ -13,7 +13,6 @@ out is one :class:`~vocab_parallel.stats.Call` and the flattened tensors
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -21,12 +20,13 @@ import torch.distributed as dist
 
 from vocab_parallel import precision
 from vocab_parallel import sequence_parallel as _sp
-from vocab_parallel.agreement import check_agreement, fingerprint
+from vocab_parallel.agreement import check_agreement, fingerprint, objective_row
 from vocab_parallel.backend import resolve_backend
 from vocab_parallel.checks import check_member, check_targets
 from vocab_parallel.distributed import world_size
 from vocab_parallel.layout import resolve_layout
-from vocab_parallel.options import LossOptions, PendingOptions, StatsRequest, given_option, made
+from vocab_parallel.objective import Objective
+from vocab_parallel.options import LossOptions, PendingOptions, given_option, made
 from vocab_parallel.reduction import check_items_counted, check_num_items_in_batch
 from vocab_parallel.sharded import check_gathered
 from vocab_parallel.stats import Call
@@ -213,23 +213,17 @@ def prepare_call(
     target: torch.Tensor,
     opts: LossOptions | PendingOptions,
     process_group: dist.ProcessGroup | None,
-    resolve_mode: Callable[[LossOptions, bool, torch.dtype], str],
+    objective: Objective,
     *,
     num_items_in_batch: Any = None,
-    request: StatsRequest | Callable[[], StatsRequest] | None = None,
-    check: Callable[[LossOptions], None] | None = None,
-    agree: Callable[[], list] | None = None,
 ) -> Prepared:
     """The :class:`Prepared` call of an entry.
 
     ``opts``: the options, or :class:`~vocab_parallel.options.PendingOptions` made here, in
     the guarded step below (an entry that builds its options from the user's values passes
-    them so). ``resolve_mode(opts, track, dtype)``: the entry's mode (``track``: whether a
-    backward can follow). ``request``: the token statistics asked for (compared across
-    ranks like the options), or a function that makes them (called in the guarded step;
-    the call's ``request`` then). ``check(opts)``: the entry's own checks of its options,
-    raised like the others. ``agree()``: the entry's own fields of the ranks' agreement
-    (``vocab_parallel.agreement.DISTILL_FIELDS``), called after the checks. With
+    them so). ``objective`` (:class:`~vocab_parallel.objective.Objective`): its own
+    checks, run in the guarded step like the others (what it validates it keeps), its own
+    entries of the ranks' agreement, its checks once the layout is known, its mode. With
     ``check_inputs`` the ranks of the group first compare what must agree
     (``vocab_parallel.agreement``): a difference, or arguments refused on one rank, raise
     on every rank alike before any collective whose size depends on the inputs."""
@@ -238,9 +232,8 @@ def prepare_call(
     # (an invalid check_inputs is itself refused when they are made).
     guarded = given_option(opts, "check_inputs") is not False
     try:
-        opts, request = made(opts), made(request)
-        if check is not None:
-            check(opts)
+        opts = made(opts)
+        objective.check(opts)
         hidden, weight, target, bias, opts, process_group, which = _prepare(
             hidden, weight, target, opts, process_group, num_items_in_batch
         )
@@ -254,9 +247,10 @@ def prepare_call(
     t1 = target.reshape(-1).to(torch.int64)
     h2 = hidden.reshape(t1.shape[0], hidden.shape[-1])  # not (-1, H): H may be 0
     if opts.check_inputs and world_size(process_group) > 1:
-        extra = None if agree is None else agree()
-        values = fingerprint(opts, h2, weight, t1, request, extra, num_items_in_batch)
-        _agree(values, process_group, hidden.device)
+        own = objective.fields()
+        values = fingerprint(opts, h2, weight, t1, num_items_in_batch)
+        values += objective_row(objective.name, own)
+        _agree(values, process_group, hidden.device, own=tuple((w, p) for w, p, _ in own))
     temp, accum = opts.temperature, precision.accumulate_dtype(hidden.dtype)
     slices = None  # sequence_parallel: all tokens of the group, gathered
     if opts.sequence_parallel:
@@ -280,11 +274,7 @@ def prepare_call(
         check_targets(t1, opts.ignore_index, layout.global_size, rows)
         if num_items_in_batch is not None:  # the same count and targets on every rank
             check_items_counted(num_items_in_batch, t1, opts.ignore_index)
-    if request is not None and request.candidates > layout.global_size:
-        raise ValueError(
-            f"top_k: expected at most the global vocabulary size {layout.global_size}, "
-            f"got {request.top_k}"
-        )
+    objective.check_layout(layout)
     inputs = (h2, weight) if bias is None else (h2, weight, bias)
     track = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     cw = opts.class_weight
@@ -293,10 +283,9 @@ def prepare_call(
         process_group=process_group,
         layout=layout,
         backend=which,
-        mode=resolve_mode(opts, track, h2.dtype),
+        mode=objective.mode(opts, track, h2.dtype),
         track=track,
         class_weight=None if cw is None else cw.detach().to(accum),
         inv_temperature=_inverse_temperature(opts, t1, accum, opts.check_inputs),
-        request=request,
     )
     return Prepared(call, h2, weight, bias, t1, slices, shape)

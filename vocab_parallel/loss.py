@@ -23,6 +23,7 @@ from vocab_parallel import sequence_parallel as _sp
 from vocab_parallel.autograd import VocabParallelLinearCE
 from vocab_parallel.entry import prepare_call
 from vocab_parallel.grad_in_forward import GradInForwardLinearCE
+from vocab_parallel.objective import Objective
 from vocab_parallel.options import (
     MODES,
     REDUCTIONS,
@@ -169,14 +170,9 @@ def run_loss(
     (``vocab_parallel.agreement``): a difference, or arguments refused on one rank, raise
     on every rank alike before any collective whose size depends on the inputs."""
     prep = prepare_call(
-        hidden,
-        weight,
-        target,
-        opts,
-        process_group,
-        lambda o, track, dtype: resolve_mode(o.mode, o.reduction, track, dtype),
+        hidden, weight, target, opts, process_group, CrossEntropy(),
         num_items_in_batch=num_items_in_batch,
-    )
+    )  # fmt: skip
     call, h2, weight, bias, t1, slices, shape = prep
     opts, mode = call.opts, call.mode
     if mode == "grad_in_forward":
@@ -193,6 +189,16 @@ def run_loss(
     if opts.return_lse:
         return LossOutput(out, _sp.own_tokens(lse, slices).reshape(shape))
     return out
+
+
+class CrossEntropy(Objective):
+    """The cross entropy, as the engine's entry sees it: its options are the
+    :class:`~vocab_parallel.options.LossOptions` (compared with the general entries)."""
+
+    name = "cross entropy"
+
+    def mode(self, opts: LossOptions, track: bool, dtype: torch.dtype) -> str:
+        return resolve_mode(opts.mode, opts.reduction, track, dtype)
 
 
 def resolve_mode(mode: str, reduction: str, track: bool, dtype: torch.dtype | None = None) -> str:

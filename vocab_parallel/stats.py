@@ -35,7 +35,7 @@ from vocab_parallel.backend import get_backend
 from vocab_parallel.distributed import all_reduce
 from vocab_parallel.interface import GradTerms, LocalStats, Logits
 from vocab_parallel.layout import ShardLayout
-from vocab_parallel.options import LossOptions, StatsRequest
+from vocab_parallel.options import LossOptions
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,8 +56,6 @@ class Call:
     # grad_input left rank-local (this rank's vocabulary rows' share), for a caller that
     # sums it over the group itself (verl's convention: vocab_parallel.integrations.verl)
     partial_grad_input: bool = False
-    # the token statistics asked for (vocab_parallel.token_stats); None for the losses
-    request: StatsRequest | None = None
 
     def logits(self, bias: torch.Tensor | None) -> Logits:
         """How the backends make this call's logits (``bias``: the cast one)."""

@@ -41,7 +41,8 @@ from vocab_parallel.backend import get_backend
 from vocab_parallel.distributed import world_size
 from vocab_parallel.entry import prepare_call
 from vocab_parallel.interface import GradTerms, Outputs
-from vocab_parallel.options import LossOptions, PendingOptions, StatsRequest
+from vocab_parallel.objective import Objective
+from vocab_parallel.options import LossOptions, PendingOptions, StatsRequest, made
 from vocab_parallel.stats import Call, forward_stats, local_targets, reduce_statistics
 from vocab_parallel.topk import exchange_candidates, shard_candidates
 
@@ -125,6 +126,41 @@ def vocab_parallel_token_stats(
     return run_token_stats(hidden, weight, target, opts, request, process_group)
 
 
+class Statistics(Objective):
+    """The token statistics, as the engine's entry sees them: the request made (and
+    validated) in the entry's guarded step, its entries of the ranks' agreement (ranks
+    asking for different outputs would make different collectives), top-k within the
+    global vocabulary, and the modes that allow per-token outputs."""
+
+    name = "token statistics"
+
+    def __init__(self, request: StatsRequest | Callable[[], StatsRequest]):
+        self.given, self.request = request, None
+
+    def check(self, opts: LossOptions) -> None:
+        self.request = made(self.given)
+        _check_options(opts)
+
+    def fields(self) -> list[tuple[str, str, object]]:
+        r = self.request
+        return [
+            ("entropy", "entropy", float(r.entropy)),
+            ("sum_p_squared", "sum_p_squared", float(r.sum_p_squared)),
+            ("top_k", "top_k", float(r.top_k)),
+            ("argmax", "argmax", float(r.argmax)),
+        ]
+
+    def check_layout(self, layout) -> None:
+        if self.request.candidates > layout.global_size:
+            raise ValueError(
+                f"top_k: expected at most the global vocabulary size {layout.global_size}, "
+                f"got {self.request.top_k}"
+            )
+
+    def mode(self, opts: LossOptions, track: bool, dtype: torch.dtype) -> str:
+        return "high_performance" if opts.mode == "high_performance" else "memory_saving"
+
+
 def _check_options(opts: LossOptions) -> None:
     """Only the options of the logits apply; the mode must allow per-token outputs."""
     loss_only = {
@@ -140,10 +176,6 @@ def _check_options(opts: LossOptions) -> None:
             f"mode: expected one of {TOKEN_STATS_MODES} for per-token statistics, got "
             f"{opts.mode!r} (their upstream gradients are only known in the backward)"
         )
-
-
-def _resolve_mode(opts: LossOptions, track: bool, dtype: torch.dtype) -> str:
-    return "high_performance" if opts.mode == "high_performance" else "memory_saving"
 
 
 def run_token_stats(
@@ -164,11 +196,11 @@ def run_token_stats(
     gradient is this rank's share, not summed over the group (for a caller that sums it
     itself; not with sequence parallelism)."""
     opts = opts.replace(reduction="none", return_lse=False)
+    objective = Statistics(request)
     call, h2, weight, bias, t1, slices, shape = prepare_call(
-        hidden, weight, target, opts, process_group, _resolve_mode, request=request,
-        check=_check_options,
-    )  # fmt: skip
-    request = call.request
+        hidden, weight, target, opts, process_group, objective
+    )
+    request = objective.request
     if partial_grad_input:
         if call.opts.sequence_parallel:
             raise ValueError("sequence_parallel: not with a rank-local (partial) grad_input")

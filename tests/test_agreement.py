@@ -127,3 +127,24 @@ def test_agreeing_ranks_pass_and_match_unsharded():
     y = torch.randint(0, V, (12,), generator=g)
     want = torch.nn.functional.cross_entropy(x.double() @ w.double().T, y).item()
     assert got[0] == got[1] and abs(got[0] - want) < 1e-5
+
+
+def _other_objective(group):
+    """Rank 0 calls the loss, rank 1 the token statistics of the same tensors."""
+    rank = group.rank()
+    x, w, y = _inputs(rank)
+    try:
+        if rank == 0:
+            vp.vocab_parallel_linear_cross_entropy(x, w, y, process_group=group, reduction="none")
+        else:
+            vp.vocab_parallel_token_stats(x, w, y, process_group=group)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_calling_different_objectives_raise_naming_them():
+    got = run_ranks(_other_objective, 2, timeout=120)
+    assert got[0] == got[1] and got[0] is not None
+    assert got[0].startswith("process_group: the ranks of process_group pass different objective")
+    assert "rank 0: cross entropy, rank 1: token statistics" in got[0]

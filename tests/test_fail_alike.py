@@ -76,6 +76,10 @@ def _call(entry: str, group, rank: int, kwargs: dict):
     head = vp.VocabParallelLMHead.from_shard(torch.nn.Parameter(w.detach()), V, lo, group)
     if entry == "head":
         return head(x, y, **kwargs)
+    if entry == "verl":  # verl's drop-in (vocab_parallel.integrations.verl)
+        from vocab_parallel.integrations.verl import linear_cross_entropy
+
+        return linear_cross_entropy(x, w, y, dist_process_group=group, **kwargs)[0]
     if entry == "head_stats":
         return head.token_stats(x, y, **kwargs).logprobs
     teacher = vp.VocabParallelLMHead.from_shard(torch.nn.Parameter(tw), V, lo, group)
@@ -117,6 +121,8 @@ CASES = {
     "head_reduction": ("head", {}, dict(reduction="avg"), "ValueError", "reduction"),
     "head_num_items": ("head", {}, dict(num_items_in_batch=-2), "ValueError",
                        "num_items_in_batch"),
+    "verl_temperature": ("verl", {}, dict(temperature=0.0), "ValueError", "temperature"),
+    "verl_reduction": ("verl", {}, dict(reduction="avg"), "ValueError", "reduction"),
     "head_stats_top_k": ("head_stats", {}, dict(top_k=-1), "ValueError", "top_k"),
     "head_stats_temperature": ("head_stats", {}, dict(temperature=0.0), "ValueError",
                                "temperature"),

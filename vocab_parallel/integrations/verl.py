@@ -48,7 +48,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from vocab_parallel.options import LossOptions, StatsRequest
+from vocab_parallel.options import PendingOptions, StatsRequest
 from vocab_parallel.token_stats import run_token_stats
 
 __all__ = ["fused_output_processor", "linear_cross_entropy", "patch_verl"]
@@ -73,18 +73,22 @@ def linear_cross_entropy(
 
 def _stats(hidden, weight, labels, temperature, reduction, group, partial_grad_input: bool):
     """:func:`linear_cross_entropy`, the hidden gradient this rank's share when
-    ``partial_grad_input`` (the caller sums it), else summed over ``group`` here."""
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        raise TypeError(f"temperature: expected a float, got {type(temperature).__name__}")
-    if not (0.0 < float(temperature) < math.inf):
-        raise ValueError(f"temperature: expected a finite float > 0, got {temperature}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
-        raise TypeError("hidden: expected a torch.Tensor [..., H]")
-    h2 = hidden.reshape(-1, hidden.shape[-1])
+    ``partial_grad_input`` (the caller sums it), else summed over ``group`` here. Its own
+    checks run where the entry's do (a value refused on one rank raises on every rank)."""
+
+    def check():
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+            raise TypeError(f"temperature: expected a float, got {type(temperature).__name__}")
+        if not (0.0 < float(temperature) < math.inf):
+            raise ValueError(f"temperature: expected a finite float > 0, got {temperature}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+
+    flat = isinstance(hidden, torch.Tensor) and hidden.dim() >= 1
+    h2 = hidden.reshape(-1, hidden.shape[-1]) if flat else hidden  # else refused, naming it
     y = labels.reshape(-1) if isinstance(labels, torch.Tensor) else labels
-    opts = LossOptions(reduction="none", temperature=float(temperature))
+    temp = float(temperature) if isinstance(temperature, int | float) else temperature
+    opts = PendingOptions(check=check, reduction="none", temperature=temp)
     stats = run_token_stats(
         h2, weight, y, opts, StatsRequest(entropy=True), group,
         partial_grad_input=partial_grad_input,

@@ -26,6 +26,7 @@ CHILD = textwrap.dedent(
     import torch
     import torch.nn.functional as F
     import vocab_parallel as vp
+    import vocab_parallel.memory
     from benchmarks.memory import PeakMemory
 
     impl, bt, h, v = sys.argv[1], *map(int, sys.argv[2:5])

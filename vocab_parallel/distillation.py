@@ -54,7 +54,7 @@ from vocab_parallel.entry import autocast_inputs, prepare_call
 from vocab_parallel.grad_in_forward import hand_out, outputs, walk_token_chunks
 from vocab_parallel.interface import Outputs
 from vocab_parallel.objective import Objective
-from vocab_parallel.options import LossOptions, PendingOptions, given_option
+from vocab_parallel.options import LossOptions, PendingOptions
 from vocab_parallel.reduction import mean_denominator, reduce_losses
 from vocab_parallel.stats import Call
 
@@ -282,28 +282,17 @@ def run_distillation(
     ``prepare_call``); ``given``: the teacher's tensors by name (``hidden``, ``weight``,
     ``bias``, ``ids``, ``logprobs``)."""
     objective = Distillation(hidden, weight, given, target, divergence, beta, hard_label_weight)
-    if target is None:  # no hard labels: every token counts (the checks see zeros)
-        sp = given_option(opts, "sequence_parallel") is True  # else refused when made
-        shape = _token_shape(hidden, sp) if isinstance(hidden, torch.Tensor) else ()
-        device = hidden.device if isinstance(hidden, torch.Tensor) else None
-        target_t = torch.zeros(shape, dtype=torch.int64, device=device)
-    else:
-        target_t = target
-    call, h2, weight, bias, t1, slices, shape = prepare_call(
-        hidden, weight, target_t, opts, process_group, objective
-    )
-    spec = objective.spec
-    teacher = _gather_teacher(objective.checked, spec, slices, precision.accumulate_dtype(h2.dtype))
-    if call.opts.check_inputs and spec.sparse:
-        _check_topk(teacher, t1, spec, call)
-    reduction = call.opts.reduction
-    if call.mode == "grad_in_forward":
+    # target None (no hard labels): every token counts, the engine's checks see zeros
+    prep = prepare_call(hidden, weight, target, opts, process_group, objective)
+    call, h2, weight, bias, t1, slices, shape = prep
+    opts, mode, spec, teacher = call.opts, call.mode, objective.spec, objective.teacher
+    if mode == "grad_in_forward":
         needs = tuple(t is not None and t.requires_grad for t in (h2, weight, bias))
         return GradInForwardDistillation.apply(h2, weight, bias, t1, call, spec, teacher, needs)
     losses, weights = DistillationFunction.apply(h2, weight, bias, t1, call, spec, teacher)
-    if reduction == "none":
-        return _sp.own_tokens(losses, slices).reshape(shape)
-    return reduce_losses(losses, weights, reduction)
+    if opts.reduction == "none":
+        losses = _sp.own_tokens(losses, slices).reshape(shape)
+    return reduce_losses(losses, weights, opts.reduction)
 
 
 class Distillation(Objective):
@@ -318,6 +307,7 @@ class Distillation(Objective):
         self.args = (hidden, weight, given, target, divergence, beta, hard_label_weight)
         self.spec: Spec | None = None
         self.checked: dict = {}
+        self.teacher: Teacher | None = None
         self.sequence_parallel = False
 
     def check(self, opts: LossOptions) -> None:
@@ -359,6 +349,13 @@ class Distillation(Objective):
             f += [("values (checksum)", "teacher_hidden", sums[0])]
             f += [("values (position checksum)", "teacher_hidden", sums[1])]
         return f
+
+    def prepared(self, call: Call, target: torch.Tensor, slices) -> None:
+        """The teacher's tokens gathered like the student's, its top-k checked."""
+        accum = precision.accumulate_dtype(self.args[0].dtype)
+        self.teacher = _gather_teacher(self.checked, self.spec, slices, accum)
+        if call.opts.check_inputs and self.spec.sparse:
+            _check_topk(self.teacher, target, self.spec, call)
 
     def mode(self, opts: LossOptions, track: bool, dtype: torch.dtype) -> str:
         mode = opts.mode

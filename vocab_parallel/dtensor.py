@@ -115,9 +115,12 @@ def _check_stated(name: str, stated: Any, actual: Any, shown: str) -> None:
 
 
 def _local_target(target, hidden, sequence_parallel: bool):
-    """The targets of the tokens ``hidden`` (a DTensor, before unwrapping) leaves here."""
+    """The targets of the tokens ``hidden`` (a DTensor, before unwrapping) leaves here
+    (None: no targets)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    if target is None:
+        return None
     if is_dtensor(target):
         if not sequence_parallel:
             return target.full_tensor()

@@ -187,6 +187,9 @@ def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items
             hidden, weight, target, opts, process_group
         )
         check_member(process_group)
+    if target is None and isinstance(hidden, torch.Tensor) and hidden.dim() >= 1:
+        # no targets (distillation without hard labels): every token counts
+        target = torch.zeros(hidden.shape[:-1], dtype=torch.int64, device=hidden.device)
     check_gathered("weight", weight)  # an empty ZeRO-3 partition (before any cast): the fix
     check_gathered("bias", opts.bias)
     hidden, weight, bias = autocast_inputs(hidden, weight, opts.bias)
@@ -274,7 +277,6 @@ def prepare_call(
         check_targets(t1, opts.ignore_index, layout.global_size, rows)
         if num_items_in_batch is not None:  # the same count and targets on every rank
             check_items_counted(num_items_in_batch, t1, opts.ignore_index)
-    objective.check_layout(layout)
     inputs = (h2, weight) if bias is None else (h2, weight, bias)
     track = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     cw = opts.class_weight
@@ -288,4 +290,5 @@ def prepare_call(
         class_weight=None if cw is None else cw.detach().to(accum),
         inv_temperature=_inverse_temperature(opts, t1, accum, opts.check_inputs),
     )
+    objective.prepared(call, t1, slices)
     return Prepared(call, h2, weight, bias, t1, slices, shape)

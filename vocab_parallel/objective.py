@@ -5,17 +5,23 @@ The cross entropy, the token statistics and distillation each hand
 :func:`vocab_parallel.entry.prepare_call` one :class:`Objective`: its name, its own checks
 (made in the entry's guarded step, so that a value refused on one rank raises on every
 rank: its validated request is kept on the objective), its own entries of the ranks'
-agreement, what it checks once the shard layout is known, and the mode it runs. The
+agreement, what it checks and prepares once the call is (the layout known, the tokens
+gathered), and the mode it runs. The
 entry does the rest alike for all of them (DTensors, autocast, validation, agreement,
 sequence parallelism, layout, target checks).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from vocab_parallel.layout import ShardLayout
 from vocab_parallel.options import LossOptions
+
+if TYPE_CHECKING:
+    from vocab_parallel.sequence_parallel import TokenSlices
+    from vocab_parallel.stats import Call
 
 # The objectives, in the order of their code in the ranks' agreement.
 OBJECTIVES = ("cross entropy", "token statistics", "distillation")
@@ -38,8 +44,11 @@ class Objective:
         :data:`MAX_FIELDS`, the same names on every rank that runs this objective."""
         return []
 
-    def check_layout(self, layout: ShardLayout) -> None:
-        """Checks that need the shard layout (the same on every rank)."""
+    def prepared(self, call: Call, target: torch.Tensor, slices: TokenSlices | None) -> None:
+        """The call is prepared (``target``: the call's flattened, gathered targets;
+        ``slices``: which are this rank's under sequence parallelism, else None): the
+        objective's checks that need the layout or the gathered tokens (the same on every
+        rank), and its own preparation."""
 
     def mode(self, opts: LossOptions, track: bool, dtype: torch.dtype) -> str:
         """The mode that runs (``track``: whether a backward can follow)."""

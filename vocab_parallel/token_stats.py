@@ -150,11 +150,11 @@ class Statistics(Objective):
             ("argmax", "argmax", float(r.argmax)),
         ]
 
-    def check_layout(self, layout) -> None:
-        if self.request.candidates > layout.global_size:
+    def prepared(self, call: Call, target, slices) -> None:
+        vg = call.layout.global_size
+        if self.request.candidates > vg:
             raise ValueError(
-                f"top_k: expected at most the global vocabulary size {layout.global_size}, "
-                f"got {self.request.top_k}"
+                f"top_k: expected at most the global vocabulary size {vg}, got {self.request.top_k}"
             )
 
     def mode(self, opts: LossOptions, track: bool, dtype: torch.dtype) -> str:

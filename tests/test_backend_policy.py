@@ -277,9 +277,9 @@ def test_loss_hands_local_targets_to_the_backend_without_mask_round_trips(
 
 def _backend_module(name):
     if name == "triton":
-        from vocab_parallel.kernels import backward
+        from vocab_parallel import triton_backend
 
-        return backward
+        return triton_backend
     return torch_backend
 
 

@@ -7,6 +7,7 @@ into the working tree, and no stale ``build/lib`` from an earlier build leaks in
 
 from __future__ import annotations
 
+import ast
 import email.parser
 import os
 import re
@@ -131,6 +132,34 @@ def test_the_checkout_never_shadows_a_top_level_kernels(tmp_path):
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
     )
     assert done.returncode == 0, done.stderr
+
+
+def _imports(path: Path) -> list[tuple[int, str, int]]:
+    """``(line, module, level)`` of every import in ``path`` (lazy ones too); ``level`` is
+    the relative import's (0: absolute)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, 0) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, node.module or "", node.level))
+    return found
+
+
+def test_the_kernels_import_nothing_of_the_library():
+    """kernels/src/ holds Triton kernels only: they import triton, torch, the standard
+    library and each other (relative imports, inside the package), never the library
+    above them, whose Triton backend (``vocab_parallel.triton_backend``) launches them."""
+    allowed = {"triton", "torch", *sys.stdlib_module_names}
+    modules = sorted((ROOT / "kernels" / "src").glob("*.py"))
+    assert {p.name for p in modules} >= {"common.py", "forward.py", "backward.py", "distill.py"}
+    bad = [
+        f"{path.name}:{line}: {'.' * level}{module}"
+        for path in modules
+        for line, module, level in _imports(path)
+        if level > 1 or (level == 0 and module.split(".")[0] not in allowed)
+    ]
+    assert not bad, f"kernels/src imports outside triton, torch and itself: {bad}"
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 runs a call (``docs/design.md``, "Backends").
 
 ``"torch"`` is ``vocab_parallel.torch_backend`` (chunked PyTorch, the CPU path);
-``"triton"`` is ``vocab_parallel.kernels`` (Triton kernels on CUDA, or under the
-interpreter); ``"auto"`` picks Triton on CUDA. Backends are imported when first asked for.
+``"triton"`` is ``vocab_parallel.triton_backend`` (the launchers of the Triton kernels,
+on CUDA or under the interpreter); ``"auto"`` picks Triton on CUDA. Backends are imported
+when first asked for.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ class _Functions:
 def get_backend(name: str) -> Backend:
     """The resolved backend ``name`` (``"torch"`` or ``"triton"``)."""
     if name == "triton":
-        from vocab_parallel.kernels import backward, forward
+        from vocab_parallel import triton_backend as tb
 
-        return _Functions("triton", forward.forward_stats, backward.fused_backward)
+        return _Functions("triton", tb.forward_stats, tb.fused_backward)
     if name == "torch":
         from vocab_parallel import torch_backend
 

@@ -17,9 +17,9 @@ a second time (:func:`jsd_sums`, one more SUM of two per-token sums). :func:`gra
 is ``d loss_i / d z_ij`` of one chunk (then ``G`` of the backends' two products,
 ``vocab_parallel.chunking``). The logits of a chunk come from :class:`HeadLogits`:
 recomputed by a backend (``"torch"``: a chunked fp32 GEMM; ``"triton"``: the forward
-statistics kernel writing them, ``kernels/src/forward.py``), or read from saved ones. On the
+statistics kernel writing them, ``vocab_parallel.triton_backend``), or read from saved ones. On the
 Triton backend the dense teacher's first pass is one kernel instead
-(:func:`fused_statistics`, ``kernels/src/distill.py``): both heads' tiles and these sums in
+(:func:`fused_statistics`, ``vocab_parallel.triton_distill``): both heads' tiles and these sums in
 registers, no chunk of logits made (high-performance mode: written to the kept ones);
 and so are, from recomputed logits, the JSD's second pass (:func:`jsd_sums`) and the
 dense teacher's ``G`` (:func:`fused_gradient`). The top-k teacher, and ``G`` from kept
@@ -111,7 +111,7 @@ class HeadLogits:
     def _triton(self, v0, v1, bias, out):
         """The forward statistics kernel with its logits written out (its statistics are
         not used): the tile GEMM and the cap in Triton."""
-        from vocab_parallel.kernels import forward
+        from vocab_parallel import triton_backend
 
         x = self.x
         if out is None:
@@ -119,7 +119,7 @@ class HeadLogits:
         if self._no_target is None:
             self._no_target = torch.full((x.shape[0],), -1, dtype=torch.int64, device=x.device)
         logits = Logits(bias, self.softcap, None)
-        forward.forward_stats(x, self.weight[v0:v1], self._no_target, logits, logits_out=out)
+        triton_backend.forward_stats(x, self.weight[v0:v1], self._no_target, logits, logits_out=out)
         return out
 
 
@@ -250,7 +250,7 @@ def local_statistics(
 
 def fused_statistics(spec: Spec, student: HeadLogits, teacher: HeadLogits | None) -> bool:
     """Whether :func:`local_statistics` runs in the Triton kernel of both heads
-    (``kernels/src/distill.py``): the Triton backend, a dense teacher of the student's dtype
+    (``vocab_parallel.triton_distill``): the Triton backend, a dense teacher of the student's dtype
     (its tile products are of one type; fp32 statistics), logits recomputed or filled
     (high-performance mode, grad-in-forward's chunks), not read from saved ones."""
     if student.backend != "triton" or spec.sparse or teacher is None:
@@ -269,9 +269,9 @@ def recomputed_in_kernels(spec: Spec, student: HeadLogits, teacher: HeadLogits |
 
 def _fused_statistics(spec, student, teacher, inv_t, cols) -> LocalStats:
     """:func:`local_statistics` by the Triton kernel: both heads' tiles, the online sums
-    of ``spec``'s divergence and the CE's in registers (``vocab_parallel.kernels.distill``);
+    of ``spec``'s divergence and the CE's in registers (``vocab_parallel.triton_distill``);
     with ``fill``, both heads' capped logits written into their ``saved`` buffers."""
-    from vocab_parallel.kernels import distill
+    from vocab_parallel import triton_distill as distill
 
     fill = student.saved is not None
     r = distill.distill_stats(
@@ -371,12 +371,12 @@ def jsd_sums(
     m)``, ``m = beta p_t + (1 - beta) p_s``, one SUM all-reduce of both; ``d = beta K_t +
     (1 - beta) K_s``, ``coef = K_s``. Where :func:`fused_statistics` applies and the
     logits are recomputed (memory-saving mode), both sums are one Triton kernel
-    (``vocab_parallel.kernels.distill.jsd_sums``), no chunk of logits made."""
+    (``vocab_parallel.triton_distill.jsd_sums``), no chunk of logits made."""
     k = torch.zeros((2, rows), dtype=terms.ls.dtype, device=terms.ls.device)
     it = None if inv_t is None else inv_t[:, None]
     lb, l1b = math.log(spec.beta), math.log1p(-spec.beta)
     if rows and v and recomputed_in_kernels(spec, student, teacher):
-        from vocab_parallel.kernels import distill
+        from vocab_parallel import triton_distill as distill
 
         k[0], k[1] = distill.jsd_sums(
             student.x, student.weight, student.bias, teacher.x, teacher.weight, teacher.bias,
@@ -455,14 +455,14 @@ def gradient_chunk(
 
 def fused_gradient(spec, terms, student, teacher, inv_t, scale_d, scale_ce, cols, cv):
     """``make_g`` of a dense teacher's ``G`` by the Triton kernel
-    (``vocab_parallel.kernels.distill.divergence_gradient``: both heads' tiles
+    (``vocab_parallel.triton_distill.divergence_gradient``: both heads' tiles
     recomputed, :func:`gradient_chunk`'s formula in registers, ``G`` written in the input
     dtype), or None where :func:`gradient_chunk` forms it: the top-k teacher, saved
     logits (high-performance mode reads them), or where :func:`fused_statistics` does not
     apply."""
     if not recomputed_in_kernels(spec, student, teacher):
         return None
-    from vocab_parallel.kernels import distill
+    from vocab_parallel import triton_distill as distill
 
     c_d = scale_d if inv_t is None else scale_d * inv_t
     return distill.divergence_gradient(

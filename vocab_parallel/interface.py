@@ -3,8 +3,8 @@
 A backend computes one vocabulary shard's share of the loss: the local forward statistics
 and the fused backward (``docs/design.md``, "Backends"). Two implement :class:`Backend`:
 ``"torch"`` (``vocab_parallel.torch_backend``: chunked PyTorch, the CPU path) and
-``"triton"`` (``vocab_parallel.kernels``: Triton kernels, CUDA or the interpreter); the
-registry that picks one is ``vocab_parallel.backend``. Both
+``"triton"`` (``vocab_parallel.triton_backend``: the launchers of the Triton kernels,
+CUDA or the interpreter); the registry that picks one is ``vocab_parallel.backend``. Both
 take their inputs validated, and know nothing of torch.distributed, reductions or modes.
 
 Per row ``i`` and shard column ``j`` (``t_i``: the row's local target column, -1 when its

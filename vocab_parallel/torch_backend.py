@@ -1,6 +1,6 @@
 """Chunked pure-PyTorch backend: the fast path on CPUs, same semantics as the kernels.
 
-It implements :class:`vocab_parallel.backend.Backend` (the math is there) by walking the
+It implements :class:`vocab_parallel.interface.Backend` (the math is there) by walking the
 vocabulary in chunks, so its extra memory is one ``[BT, CV]`` chunk (two of half the
 columns with ``softcap``) and a ``[BT, H]`` fp32 accumulator, never ``[BT, V]``. The two
 gradient GEMMs of each chunk are the shared loop of ``vocab_parallel.chunking``; every

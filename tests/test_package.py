@@ -162,6 +162,45 @@ def test_the_kernels_import_nothing_of_the_library():
     assert not bad, f"kernels/src imports outside triton, torch and itself: {bad}"
 
 
+def _name_comparisons(path: Path, names: set[str]) -> list[int]:
+    """Lines of ``path`` that compare a value with one of ``names`` (``==``, ``!=``,
+    ``in``/``not in`` a literal collection of them, ``match`` cases)."""
+
+    def literal(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(literal(e) for e in node.elts)
+        return False
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.MatchValue):
+            operands = [node.value]
+        else:
+            continue
+        if any(map(literal, operands)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_registry_compares_backend_names():
+    """Backends implement the interface's primitives (``vocab_parallel.interface``);
+    which one runs is the registry's business (``backend.py``, with the options' list of
+    names): nothing else asks for a backend by comparing its name."""
+    registry = {ROOT / PACKAGE / "backend.py", ROOT / PACKAGE / "options.py"}
+    names = {"torch", "triton"}
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted((ROOT / PACKAGE).rglob("*.py"))
+        if path not in registry and "kernels" not in path.relative_to(ROOT / PACKAGE).parts
+        for line in _name_comparisons(path, names)
+    ]
+    assert not found, f"backend names compared outside the registry: {found}"
+
+
 @pytest.mark.slow
 def test_imports_and_trains_without_the_optional_packages(wheel, tmp_path):
     """From the unpacked wheel, with every optional package unimportable.

@@ -24,6 +24,7 @@ fp32 accumulator, and (half inputs) the fp32 products of one chunk; none grows w
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -227,3 +228,30 @@ def fused_backward(
     return gradient_products(
         x, weight, cv, make_g, out, g_reads_operands=False, bias_grad_dtype=bias_dtype
     )
+
+
+def chunk_logits(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    logits: Logits = PLAIN,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Callable[..., torch.Tensor]:
+    """``make(v0, v1, out=None)``: ``z`` of the shard's columns ``[v0, v1)``
+    (``vocab_parallel.interface.Backend.chunk_logits``), fp32, into ``out`` (fp32 ``[BT,
+    v1 - v0]``) when given: :func:`forward_stats` with its logits written out (its
+    statistics are not used), the tile products and the cap in Triton."""
+    if dtype not in (None, torch.float32):
+        raise TypeError(f"dtype: the Triton backend's logits are fp32, got {dtype}")
+    bt = x.shape[0]
+    no_target = torch.full((bt,), -1, dtype=torch.int64, device=x.device)
+
+    def make(v0: int, v1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty((bt, v1 - v0), dtype=torch.float32, device=x.device)
+        bias = None if logits.bias is None else logits.bias[v0:v1]
+        chunk = Logits(bias, logits.softcap, logits.inv_temperature)
+        forward_stats(x, weight[v0:v1], no_target, chunk, logits_out=out)
+        return out
+
+    return make

@@ -3,20 +3,22 @@
     python scripts/gpu_variants.py                 # one CUDA GPU; --jobs processes
     python scripts/gpu_variants.py --dry-run       # CPU, Triton's interpreter, tiny sizes
 
-The variants are what the launchers list (``forward.launch_variants``,
-``backward.launch_variants``: kernel x dtype x mode constexprs x tile for this GPU). Each
-is reached through the public loss, ``vocab_parallel_linear_cross_entropy``, with the
-options that select it: the three dtypes, memory-saving and high-performance modes (which
-store the logits or the softmax), bias, softcap, label smoothing (the logit sum) with a
-z-loss, at a few rows (the 64-row tiles) and many, with an odd vocabulary and an odd
-number of rows (masked edges). Every case runs forward and backward on both backends
-(``reduction="none"``, random upstream gradients) and compares loss, ``grad_input``,
-``grad_weight`` and ``grad_bias``: max |triton - torch| / max |torch|.
+The variants are what the kernel modules list for their launchers
+(``vocab_parallel.kernels.forward.launch_variants``, ``...backward.launch_variants``:
+kernel x dtype x mode constexprs x tile for this GPU). Each is reached through the public
+loss, ``vocab_parallel_linear_cross_entropy``, with the options that select it: the three
+dtypes, memory-saving and high-performance modes (which store the logits or the softmax),
+bias, softcap, label smoothing (the logit sum) with a z-loss, at a few rows (the 64-row
+tiles) and many, with an odd vocabulary and an odd number of rows (masked edges). Every
+case runs forward and backward on both backends (``reduction="none"``, random upstream
+gradients) and compares loss, ``grad_input``, ``grad_weight`` and ``grad_bias``: max
+|triton - torch| / max |torch|.
 
-The constexprs of every launch are recorded (the launchers' ``_meta``), so the table ends
-with how many of the listed variants ran; a listed variant that no case reached fails the
-run, as does any mismatch. The cases run in ``--jobs`` processes on the same GPU, so that
-Triton compiles the variants in parallel on a machine without a warm kernel cache.
+The constexprs of every launch are recorded (the kernel modules' ``meta``, which the
+launchers call), so the table ends with how many of the listed variants ran; a listed
+variant that no case reached fails the run, as does any mismatch. The cases run in
+``--jobs`` processes on the same GPU, so that Triton compiles the variants in parallel on
+a machine without a warm kernel cache.
 """
 
 from __future__ import annotations
@@ -126,15 +128,16 @@ def _key(kernel_name: str, dtype, meta: dict, with_tile: bool) -> tuple:
 
 
 def _recording(module, name: str, seen: list):
-    """Wrap ``module._meta`` so that each launch's constexprs are recorded."""
-    original = module._meta
+    """Wrap ``module.meta`` (the kernel module's, which its launcher in
+    ``vocab_parallel.triton_backend`` calls) so that each launch's constexprs are recorded."""
+    original = module.meta
 
     def meta(dtype, *args, **kwargs):
         out = original(dtype, *args, **kwargs)
         seen.append((name, str(dtype), out))
         return out
 
-    module._meta = meta
+    module.meta = meta
 
 
 def rel(a, b) -> float:

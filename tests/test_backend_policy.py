@@ -9,7 +9,7 @@
 - The public operator accepts tensors that require grad (it is not differentiated), and
   double backward through the loss raises a clear error.
 - Both backends share one interface: int64 local targets (-1 where not here), the
-  statistics, and the flags of the gradients wanted.
+  statistics, the flags of the gradients wanted, and chunks of logits.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import vocab_parallel as vp
 from vocab_parallel import autograd as loss_module  # the loss's autograd Function
 from vocab_parallel import memory, precision, torch_backend
-from vocab_parallel.interface import PLAIN, GradTerms, Outputs
+from vocab_parallel.backend import get_backend
+from vocab_parallel.interface import PLAIN, GradTerms, Logits, Outputs
 
 BT, H, V = 24, 20, 50  # distinct, so the shape of a product tells which product it is
 
@@ -277,9 +278,9 @@ def test_loss_hands_local_targets_to_the_backend_without_mask_round_trips(
 
 def _backend_module(name):
     if name == "triton":
-        from vocab_parallel.kernels import backward
+        from vocab_parallel import triton_backend
 
-        return backward
+        return triton_backend
     return torch_backend
 
 
@@ -310,3 +311,37 @@ def test_backends_share_one_interface_and_chunking_is_invisible(backend, mode, d
     assert only_input[1] is None and torch.equal(only_input[0], chunked[0])
     assert only_weight[0] is None and torch.equal(only_weight[1], chunked[1])
     assert run(1, need_input=False, need_weight=False) == (None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_backends_make_the_same_chunks_of_logits(backend, dtype):
+    """``chunk_logits``: ``z = cap(x @ W.T + b) * inv_t`` of any column range, returned or
+    written into ``out``, as the float64 formula gives; ``distill`` is the Triton
+    backend's fused distillation launchers, None on the torch backend."""
+    v = 77
+    x, w, _ = _problem(dtype, v=v)
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(v, generator=gen).to(dtype).to(DEVICE)
+    inv_t = (torch.rand(BT, generator=gen) + 0.5).to(DEVICE)
+    r = x.double() @ w.double().T + bias.double()
+    want = 2.5 * torch.tanh(r / 2.5) * inv_t.double()[:, None]
+    run = get_backend(backend)
+    tol = dict(rtol=1e-5, atol=1e-5)  # fp32 accumulation of the products
+    make = run.chunk_logits(x, w, Logits(bias, 2.5, inv_t))
+    for v0, v1 in ((0, v), (5, 40), (40, v)):
+        z = make(v0, v1)
+        assert z.dtype == torch.float32 and z.shape == (BT, v1 - v0)
+        torch.testing.assert_close(z.double(), want[:, v0:v1], **tol)
+    out = torch.full((BT, 30), float("nan"), device=DEVICE)
+    assert make(10, 40, out).data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out.double(), want[:, 10:40], **tol)
+    plain = run.chunk_logits(x, w, dtype=torch.float32)(3, 9)
+    torch.testing.assert_close(plain.double(), (x.double() @ w.double().T)[:, 3:9], **tol)
+    if backend == "torch":
+        assert run.distill is None
+        wide = run.chunk_logits(x, w, dtype=torch.float64)(0, v)
+        assert wide.dtype == torch.float64
+    else:
+        assert callable(run.distill.distill_stats) and callable(run.distill.jsd_sums)
+        with pytest.raises(TypeError, match="^dtype:"):
+            run.chunk_logits(x, w, dtype=torch.float64)

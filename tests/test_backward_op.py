@@ -309,7 +309,7 @@ def test_torch_backend_chunks_equal_one_chunk(mode, dtype, monkeypatch):
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
 def test_triton_chunks_equal_one_chunk(mode, dtype, monkeypatch):
-    from vocab_parallel.kernels import backward as kernels
+    from vocab_parallel import triton_backend
 
     bt, h, v = 37, 20, 260
     case = make_case(bt, h, v, dtype=dtype, mode=mode, seed=6, label_smoothing=0.1)
@@ -319,7 +319,7 @@ def test_triton_chunks_equal_one_chunk(mode, dtype, monkeypatch):
     def run():
         lmax, lsum, softmax = _stats(case)
         terms = GradTerms(case.grad, 0.9, 0.1 / v, None, None, lmax, lsum, softmax)
-        return kernels.fused_backward(
+        return triton_backend.fused_backward(
             case.input,
             case.weight,
             case.masked_target.masked_fill(case.not_here, -1),

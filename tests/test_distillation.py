@@ -267,7 +267,7 @@ def test_single_process_triton(case):
     assert check(case) == []
 
 
-# The Triton backend's forward statistics in its two-head kernel (kernels/src/distill.py):
+# The Triton backend's forward statistics in its two-head kernel (vocab_parallel.triton_distill):
 # odd shapes (37 tokens, V 389, H 48 / H_t 80: edge tiles in every dimension), both KLs
 # and the JSD's first pass, the CE mix with ignored tokens at T = 1 (the target logit
 # only) and T != 1 (the untempered sums too), a bias on either head, memory-saving
@@ -316,7 +316,7 @@ FUSED = [
 def distill_kernel_calls(monkeypatch):
     """The calls of the two-head kernels' launchers: ``"stats:<divergence>"``, ``"jsd"``
     (the JSD's second pass) and ``"grad:<divergence>"`` (G, once per backward)."""
-    from vocab_parallel.kernels import distill
+    from vocab_parallel import triton_distill as distill
 
     calls = []
     stats, jsd, grad = distill.distill_stats, distill.jsd_sums, distill.divergence_gradient
@@ -417,8 +417,8 @@ def test_triton_kernel_statistics_equal_the_torch_path(divergence):
     32-column tile all ``-inf``) and the last 9 (no softcap: it would make them finite),
     and the CE's sums; an empty shard gives
     the starting maxima and zero sums."""
+    from vocab_parallel import triton_distill as distill
     from vocab_parallel.distill_stats import Columns, HeadLogits, Spec, local_statistics
-    from vocab_parallel.kernels import distill
 
     g = torch.Generator().manual_seed(80)
     n, h, ht, v = 37, 48, 80, 389
@@ -470,6 +470,7 @@ def test_triton_divergence_kernels_equal_the_torch_chunks(divergence, dtype, sof
     second-pass kernel against the torch walk first (the terms both G's read). A masking
     bias of ``-inf`` over 40 columns of the teacher (the reverse KL's ``u - v`` infinite
     there: the student's too, so ``p_s = 0``) and 9 of both heads."""
+    from vocab_parallel import triton_distill as distill
     from vocab_parallel.distill_stats import (
         Columns,
         HeadLogits,
@@ -479,7 +480,6 @@ def test_triton_divergence_kernels_equal_the_torch_chunks(divergence, dtype, sof
         local_statistics,
         reduce_statistics,
     )
-    from vocab_parallel.kernels import distill
 
     g = torch.Generator().manual_seed(90)
     n, h, ht, v = 37, 48, 80, 389
@@ -538,7 +538,7 @@ def test_triton_divergence_kernels_equal_the_torch_chunks(divergence, dtype, sof
 
 
 def test_divergence_kernel_launchers_name_their_parameters():
-    from vocab_parallel.kernels import distill
+    from vocab_parallel import triton_distill as distill
 
     x, w = torch.randn(4, 8), torch.randn(16, 8)
     ones = torch.ones(4)

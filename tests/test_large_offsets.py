@@ -35,7 +35,7 @@ CHILD = textwrap.dedent(
     import torch
     import vocab_parallel as vp
     from vocab_parallel import torch_backend
-    from vocab_parallel.kernels import forward as triton_forward
+    from vocab_parallel import triton_backend
 
     LIMIT = 2**31
     case = sys.argv[1]
@@ -63,7 +63,7 @@ CHILD = textwrap.dedent(
 
 
     def stats_agree(x, w, target, rel):
-        t = triton_forward.forward_stats(x, w, target, logit_sum=True)
+        t = triton_backend.forward_stats(x, w, target, logit_sum=True)
         r = torch_backend.forward_stats(x, w, target, logit_sum=True)
         for name, a, e in zip(("max", "sum_exp", "predicted", "logit_sum"), t, r):
             check(name, a, e, rel)
@@ -99,7 +99,7 @@ CHILD = textwrap.dedent(
     elif case == "logits_out":  # high-performance forward: logits stored into the softmax
         x, w, target, *_ = problem(6, 16, 40, torch.float32)
         view = far_rows(torch.zeros(6, 40))
-        t = triton_forward.forward_stats(x, w, target, logits_out=view, logit_sum=True)
+        t = triton_backend.forward_stats(x, w, target, logits_out=view, logit_sum=True)
         dense = torch.zeros(6, 40)
         r = torch_backend.forward_stats(x, w, target, logits_out=dense, logit_sum=True)
         check("stored logits", view, dense, 1e-6)
@@ -116,7 +116,7 @@ CHILD = textwrap.dedent(
         stats_agree(x, w, target, 1e-5)
         grads_agree(x, w, target, 1e-2, logits_max=lmax, sum_exp_logits=sumexp)
     elif case == "distill":  # the distillation kernels: both heads' operands far apart
-        from vocab_parallel.kernels import distill
+        from vocab_parallel import triton_distill as distill
 
         bt, h, ht, v = 6, 16, 24, 40
         x = torch.randn(bt, h, generator=gen).to(torch.bfloat16)

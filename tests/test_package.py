@@ -7,6 +7,7 @@ into the working tree, and no stale ``build/lib`` from an earlier build leaks in
 
 from __future__ import annotations
 
+import ast
 import email.parser
 import os
 import re
@@ -131,6 +132,73 @@ def test_the_checkout_never_shadows_a_top_level_kernels(tmp_path):
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
     )
     assert done.returncode == 0, done.stderr
+
+
+def _imports(path: Path) -> list[tuple[int, str, int]]:
+    """``(line, module, level)`` of every import in ``path`` (lazy ones too); ``level`` is
+    the relative import's (0: absolute)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, 0) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, node.module or "", node.level))
+    return found
+
+
+def test_the_kernels_import_nothing_of_the_library():
+    """kernels/src/ holds Triton kernels only: they import triton, torch, the standard
+    library and each other (relative imports, inside the package), never the library
+    above them, whose Triton backend (``vocab_parallel.triton_backend``) launches them."""
+    allowed = {"triton", "torch", *sys.stdlib_module_names}
+    modules = sorted((ROOT / "kernels" / "src").glob("*.py"))
+    assert {p.name for p in modules} >= {"common.py", "forward.py", "backward.py", "distill.py"}
+    bad = [
+        f"{path.name}:{line}: {'.' * level}{module}"
+        for path in modules
+        for line, module, level in _imports(path)
+        if level > 1 or (level == 0 and module.split(".")[0] not in allowed)
+    ]
+    assert not bad, f"kernels/src imports outside triton, torch and itself: {bad}"
+
+
+def _name_comparisons(path: Path, names: set[str]) -> list[int]:
+    """Lines of ``path`` that compare a value with one of ``names`` (``==``, ``!=``,
+    ``in``/``not in`` a literal collection of them, ``match`` cases)."""
+
+    def literal(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(literal(e) for e in node.elts)
+        return False
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.MatchValue):
+            operands = [node.value]
+        else:
+            continue
+        if any(map(literal, operands)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_registry_compares_backend_names():
+    """Backends implement the interface's primitives (``vocab_parallel.interface``);
+    which one runs is the registry's business (``backend.py``, with the options' list of
+    names): nothing else asks for a backend by comparing its name."""
+    registry = {ROOT / PACKAGE / "backend.py", ROOT / PACKAGE / "options.py"}
+    names = {"torch", "triton"}
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted((ROOT / PACKAGE).rglob("*.py"))
+        if path not in registry and "kernels" not in path.relative_to(ROOT / PACKAGE).parts
+        for line in _name_comparisons(path, names)
+    ]
+    assert not found, f"backend names compared outside the registry: {found}"
 
 
 @pytest.mark.slow

@@ -2,8 +2,10 @@
 runs a call (``docs/design.md``, "Backends").
 
 ``"torch"`` is ``vocab_parallel.torch_backend`` (chunked PyTorch, the CPU path);
-``"triton"`` is ``vocab_parallel.kernels`` (Triton kernels on CUDA, or under the
-interpreter); ``"auto"`` picks Triton on CUDA. Backends are imported when first asked for.
+``"triton"`` is ``vocab_parallel.triton_backend`` (the launchers of the Triton kernels,
+on CUDA or under the interpreter; its ``distill``: ``vocab_parallel.triton_distill``);
+``"auto"`` picks Triton on CUDA. Backends are imported when first asked for. Only this
+registry and the options compare backend names: everything else asks the backend.
 """
 
 from __future__ import annotations
@@ -21,24 +23,29 @@ from vocab_parallel.options import check_backend_name
 
 @dataclass(frozen=True)
 class _Functions:
-    """A backend made of its two functions (both backends are modules of functions)."""
+    """A backend made of its functions (both backends are modules of functions)."""
 
     name: str
     forward_stats: object
     fused_backward: object
+    chunk_logits: object
+    distill: object | None = None
 
 
 @functools.cache
 def get_backend(name: str) -> Backend:
     """The resolved backend ``name`` (``"torch"`` or ``"triton"``)."""
     if name == "triton":
-        from vocab_parallel.kernels import backward, forward
+        from vocab_parallel import triton_backend as tb
+        from vocab_parallel import triton_distill
 
-        return _Functions("triton", forward.forward_stats, backward.fused_backward)
+        return _Functions(
+            "triton", tb.forward_stats, tb.fused_backward, tb.chunk_logits, triton_distill
+        )
     if name == "torch":
-        from vocab_parallel import torch_backend
+        from vocab_parallel import torch_backend as tb
 
-        return _Functions("torch", torch_backend.forward_stats, torch_backend.fused_backward)
+        return _Functions("torch", tb.forward_stats, tb.fused_backward, tb.chunk_logits)
     raise ValueError(f"backend: expected 'torch' or 'triton', got {name!r}")
 
 

@@ -16,14 +16,15 @@ divergence follows per token; the JSD needs the normalisers first, so it walks t
 a second time (:func:`jsd_sums`, one more SUM of two per-token sums). :func:`gradient_chunk`
 is ``d loss_i / d z_ij`` of one chunk (then ``G`` of the backends' two products,
 ``vocab_parallel.chunking``). The logits of a chunk come from :class:`HeadLogits`:
-recomputed by a backend (``"torch"``: a chunked fp32 GEMM; ``"triton"``: the forward
-statistics kernel writing them, ``kernels/src/forward.py``), or read from saved ones. On the
-Triton backend the dense teacher's first pass is one kernel instead
-(:func:`fused_statistics`, ``kernels/src/distill.py``): both heads' tiles and these sums in
-registers, no chunk of logits made (high-performance mode: written to the kept ones);
-and so are, from recomputed logits, the JSD's second pass (:func:`jsd_sums`) and the
-dense teacher's ``G`` (:func:`fused_gradient`). The top-k teacher, and ``G`` from kept
-logits, stay on the chunks.
+recomputed by the backend (its ``chunk_logits``: the torch backend's chunked fp32 GEMM, or
+the Triton forward-statistics kernel writing them), or read from saved ones. On a backend
+with fused distillation kernels (its ``distill``: the Triton backend's
+``vocab_parallel.triton_distill``) the dense teacher's first pass is one kernel instead
+(:func:`fused_statistics`): both heads' tiles and these sums in registers, no chunk of
+logits made (high-performance mode: written to the kept ones); and so are, from
+recomputed logits, the JSD's second pass (:func:`jsd_sums`) and the dense teacher's
+``G`` (:func:`fused_gradient`). The top-k teacher, and ``G`` from kept logits, stay on
+the chunks.
 Nothing here is larger than a few ``[rows, chunk]`` tensors.
 """
 
@@ -35,10 +36,10 @@ from typing import NamedTuple
 
 import torch
 
-from vocab_parallel import memory, precision
+from vocab_parallel import memory
+from vocab_parallel.backend import get_backend
 from vocab_parallel.distributed import all_reduce
-from vocab_parallel.interface import Logits
-from vocab_parallel.torch_backend import cap_, linear_logits
+from vocab_parallel.interface import Backend, Logits
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -84,43 +85,23 @@ def chunk_columns(rows: int, v: int, device_type: str) -> int:
 
 class HeadLogits:
     """One head's capped, untempered logits ``cap(x @ W.T + b)``, chunk by chunk, in the
-    statistics' dtype: recomputed by ``backend`` or, with ``saved`` (``[N, V_local]``),
-    read from it (``fill=True``: computed into it, high-performance mode)."""
+    statistics' dtype: recomputed by ``backend`` (a :class:`~vocab_parallel.interface.Backend`
+    or its name; its ``chunk_logits``) or, with ``saved`` (``[N, V_local]``), read from it
+    (``fill=True``: computed into it, high-performance mode)."""
 
     def __init__(self, backend, x, weight, bias, softcap, accum, saved=None, fill=False):
-        self.backend, self.x, self.weight, self.bias = backend, x, weight, bias
+        self.backend: Backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.x, self.weight, self.bias = x, weight, bias
         self.softcap, self.accum, self.saved, self.fill = softcap, accum, saved, fill
-        self._x_op = self._no_target = None
+        self._make = None
 
     def chunk(self, v0: int, v1: int) -> torch.Tensor:
         if self.saved is not None and not self.fill:
             return self.saved[:, v0:v1]
-        out = None if self.saved is None else self.saved[:, v0:v1]
-        bias = None if self.bias is None else self.bias[v0:v1]
-        if self.backend == "triton":
-            return self._triton(v0, v1, bias, out)
-        x = self.x
-        operand = precision.operand_dtype(x.dtype, x.device.type)
-        if self._x_op is None:
-            self._x_op = x.to(operand)
-        with precision.cpu_bf16_math(x.dtype, x.device.type):  # bf16 values: exact
-            z = linear_logits(self._x_op, self.weight[v0:v1].to(operand), bias, out=out)
-        z = z if z.dtype == self.accum else z.to(self.accum)
-        return cap_(z, self.softcap)
-
-    def _triton(self, v0, v1, bias, out):
-        """The forward statistics kernel with its logits written out (its statistics are
-        not used): the tile GEMM and the cap in Triton."""
-        from vocab_parallel.kernels import forward
-
-        x = self.x
-        if out is None:
-            out = torch.empty((x.shape[0], v1 - v0), dtype=torch.float32, device=x.device)
-        if self._no_target is None:
-            self._no_target = torch.full((x.shape[0],), -1, dtype=torch.int64, device=x.device)
-        logits = Logits(bias, self.softcap, None)
-        forward.forward_stats(x, self.weight[v0:v1], self._no_target, logits, logits_out=out)
-        return out
+        if self._make is None:
+            logits = Logits(self.bias, self.softcap)
+            self._make = self.backend.chunk_logits(self.x, self.weight, logits, dtype=self.accum)
+        return self._make(v0, v1, None if self.saved is None else self.saved[:, v0:v1])
 
 
 class _Online:
@@ -266,11 +247,12 @@ def local_statistics(
 
 
 def fused_statistics(spec: Spec, student: HeadLogits, teacher: HeadLogits | None) -> bool:
-    """Whether :func:`local_statistics` runs in the Triton kernel of both heads
-    (``kernels/src/distill.py``): the Triton backend, a dense teacher of the student's dtype
-    (its tile products are of one type; fp32 statistics), logits recomputed or filled
-    (high-performance mode, grad-in-forward's chunks), not read from saved ones."""
-    if student.backend != "triton" or spec.sparse or teacher is None:
+    """Whether :func:`local_statistics` runs in the backend's fused kernel of both heads
+    (its ``distill``, ``vocab_parallel.triton_distill.distill_stats``): a backend that has
+    one (Triton), a dense teacher of the student's dtype (its tile products are of one
+    type; fp32 statistics), logits recomputed or filled (high-performance mode,
+    grad-in-forward's chunks), not read from saved ones."""
+    if student.backend.distill is None or spec.sparse or teacher is None:
         return False
     if student.accum != torch.float32 or teacher.x.dtype != student.x.dtype:
         return False
@@ -279,19 +261,18 @@ def fused_statistics(spec: Spec, student: HeadLogits, teacher: HeadLogits | None
 
 def recomputed_in_kernels(spec: Spec, student: HeadLogits, teacher: HeadLogits | None) -> bool:
     """Whether the passes after the statistics (the JSD's second, ``G``) recompute both
-    heads' tiles in the Triton kernels: :func:`fused_statistics` applies and no logits are
+    heads' tiles in the backend's fused kernels: :func:`fused_statistics` applies and no logits are
     kept (memory-saving mode; kept ones are read in torch instead)."""
     return student.saved is None and fused_statistics(spec, student, teacher)
 
 
 def _fused_statistics(spec, student, teacher, inv_t, cols) -> LocalStats:
-    """:func:`local_statistics` by the Triton kernel: both heads' tiles, the online sums
-    of ``spec``'s divergence and the CE's in registers (``vocab_parallel.kernels.distill``);
-    with ``fill``, both heads' capped logits written into their ``saved`` buffers."""
-    from vocab_parallel.kernels import distill
-
+    """:func:`local_statistics` by the backend's fused kernel: both heads' tiles, the
+    online sums of ``spec``'s divergence and the CE's in registers
+    (``vocab_parallel.triton_distill.distill_stats``); with ``fill``, both heads' capped
+    logits written into their ``saved`` buffers."""
     fill = student.saved is not None
-    r = distill.distill_stats(
+    r = student.backend.distill.distill_stats(
         student.x, student.weight, student.bias, teacher.x, teacher.weight, teacher.bias,
         divergence=spec.divergence, softcap=student.softcap, inv_temperature=inv_t,
         local_target=cols.target if spec.ce else None, ce_sums=spec.ce and inv_t is not None,
@@ -406,15 +387,13 @@ def jsd_sums(
     """The JSD's second pass: ``K_t = sum p_t log(p_t / m)`` and ``K_s = sum p_s log(p_s /
     m)``, ``m = beta p_t + (1 - beta) p_s``, one SUM all-reduce of both; ``d = beta K_t +
     (1 - beta) K_s``, ``coef = K_s``. Where :func:`fused_statistics` applies and the
-    logits are recomputed (memory-saving mode), both sums are one Triton kernel
-    (``vocab_parallel.kernels.distill.jsd_sums``), no chunk of logits made."""
+    logits are recomputed (memory-saving mode), both sums are one kernel of the backend's
+    (``vocab_parallel.triton_distill.jsd_sums``), no chunk of logits made."""
     k = torch.zeros((2, rows), dtype=terms.ls.dtype, device=terms.ls.device)
     it = None if inv_t is None else inv_t[:, None]
     lb, l1b = math.log(spec.beta), math.log1p(-spec.beta)
     if rows and v and recomputed_in_kernels(spec, student, teacher):
-        from vocab_parallel.kernels import distill
-
-        k[0], k[1] = distill.jsd_sums(
+        k[0], k[1] = student.backend.distill.jsd_sums(
             student.x, student.weight, student.bias, teacher.x, teacher.weight, teacher.bias,
             softcap=student.softcap, inv_temperature=inv_t, ls=terms.ls, lt=terms.lt,
             beta=spec.beta,
@@ -493,18 +472,16 @@ def gradient_chunk(
 
 
 def fused_gradient(spec, terms, student, teacher, inv_t, scale_d, scale_ce, cols, cv):
-    """``make_g`` of a dense teacher's ``G`` by the Triton kernel
-    (``vocab_parallel.kernels.distill.divergence_gradient``: both heads' tiles
+    """``make_g`` of a dense teacher's ``G`` by the backend's fused kernel
+    (``vocab_parallel.triton_distill.divergence_gradient``: both heads' tiles
     recomputed, :func:`gradient_chunk`'s formula in registers, ``G`` written in the input
     dtype), or None where :func:`gradient_chunk` forms it: the top-k teacher, saved
     logits (high-performance mode reads them), or where :func:`fused_statistics` does not
     apply."""
     if not recomputed_in_kernels(spec, student, teacher):
         return None
-    from vocab_parallel.kernels import distill
-
     c_d = scale_d if inv_t is None else scale_d * inv_t
-    return distill.divergence_gradient(
+    return student.backend.distill.divergence_gradient(
         student.x, student.weight, student.bias, teacher.x, teacher.weight, teacher.bias,
         divergence=spec.divergence, softcap=student.softcap, inv_temperature=inv_t,
         ls=terms.ls, lt=terms.lt, c_d=c_d, coef=terms.coef, beta=spec.beta, c_ce=scale_ce,

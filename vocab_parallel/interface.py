@@ -1,11 +1,12 @@
 """The one backend interface: what every backend implements, and its value types.
 
-A backend computes one vocabulary shard's share of the loss: the local forward statistics
-and the fused backward (``docs/design.md``, "Backends"). Two implement :class:`Backend`:
-``"torch"`` (``vocab_parallel.torch_backend``: chunked PyTorch, the CPU path) and
-``"triton"`` (``vocab_parallel.kernels``: Triton kernels, CUDA or the interpreter); the
-registry that picks one is ``vocab_parallel.backend``. Both
-take their inputs validated, and know nothing of torch.distributed, reductions or modes.
+A backend computes one vocabulary shard's share of the loss: the local forward statistics,
+the fused backward and chunks of logits (``docs/design.md``, "Backends"). Two implement
+:class:`Backend`: ``"torch"`` (``vocab_parallel.torch_backend``: chunked PyTorch, the CPU
+path) and ``"triton"`` (``vocab_parallel.triton_backend``, the launchers of the Triton
+kernels in ``vocab_parallel.kernels``: CUDA or the interpreter); the registry that picks one
+is ``vocab_parallel.backend``. Both take their inputs validated, and know nothing of
+torch.distributed, reductions or modes.
 
 Per row ``i`` and shard column ``j`` (``t_i``: the row's local target column, -1 when its
 target is on another shard or ignored):
@@ -26,6 +27,7 @@ rounded to the input dtype once; ``grad_input = G @ W``, ``grad_weight = G.T @ x
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -133,9 +135,16 @@ class Grads(NamedTuple):
 
 
 class Backend(Protocol):
-    """What a backend implements (inputs validated; ``local_target`` int64 ``[BT]``)."""
+    """What a backend implements (inputs validated; ``local_target`` int64 ``[BT]``).
+
+    ``distill``: an optional capability, the launchers of fused distillation kernels (a
+    dense teacher's two heads in one kernel: ``distill_stats``, ``jsd_sums`` and
+    ``divergence_gradient`` of ``vocab_parallel.triton_distill``), or None where the
+    backend has none (the torch backend: distillation walks :meth:`chunk_logits`' chunks,
+    ``vocab_parallel.distill_stats``)."""
 
     name: str
+    distill: object | None
 
     def forward_stats(
         self,
@@ -164,4 +173,18 @@ class Backend(Protocol):
         out: Outputs,
     ) -> Grads:
         """:class:`Grads` of ``G`` (the module docstring)."""
+        ...
+
+    def chunk_logits(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        logits: Logits = PLAIN,
+        *,
+        dtype: torch.dtype | None = None,
+    ) -> Callable[..., torch.Tensor]:
+        """``make(v0, v1, out=None)``: ``z`` of the shard's columns ``[v0, v1)`` (the module
+        docstring), accumulated in fp32 (float64 for float64 inputs) and returned in
+        ``dtype`` (None: that one; the Triton backend's are fp32), into ``out`` (``[BT, v1 -
+        v0]``) when given. What ``x`` needs once (a cast) is done once per ``make``."""
         ...

@@ -1,6 +1,6 @@
 """Chunked pure-PyTorch backend: the fast path on CPUs, same semantics as the kernels.
 
-It implements :class:`vocab_parallel.backend.Backend` (the math is there) by walking the
+It implements :class:`vocab_parallel.interface.Backend` (the math is there) by walking the
 vocabulary in chunks, so its extra memory is one ``[BT, CV]`` chunk (two of half the
 columns with ``softcap``) and a ``[BT, H]`` fp32 accumulator, never ``[BT, V]``. The two
 gradient GEMMs of each chunk are the shared loop of ``vocab_parallel.chunking``; every
@@ -12,6 +12,8 @@ overflow exactly where the original's do.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -39,6 +41,36 @@ def linear_logits(
     if bias is not None:
         logits.add_(bias.to(logits.dtype))
     return logits
+
+
+def chunk_logits(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    logits: Logits = PLAIN,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Callable[..., torch.Tensor]:
+    """``make(v0, v1, out=None)``: ``z`` of the shard's columns ``[v0, v1)``
+    (``vocab_parallel.interface.Backend.chunk_logits``): :func:`linear_logits` in fp32
+    (float64 for float64 inputs; into ``out`` when given), in ``dtype`` (None: as it is),
+    capped and tempered there. ``x`` is cast to the products' operand dtype once."""
+    operand = precision.operand_dtype(x.dtype, x.device.type)
+    x_op = None
+
+    def make(v0: int, v1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        nonlocal x_op
+        if x_op is None:
+            x_op = x.to(operand)
+        bias = None if logits.bias is None else logits.bias[v0:v1]
+        with precision.cpu_bf16_math(x.dtype, x.device.type):  # bf16 values: exact
+            z = linear_logits(x_op, weight[v0:v1].to(operand), bias, out=out)
+        z = z if dtype is None or z.dtype == dtype else z.to(dtype)
+        z = cap_(z, logits.softcap)
+        if logits.inv_temperature is not None:
+            z.mul_(logits.inv_temperature.to(z.dtype)[:, None])
+        return z
+
+    return make
 
 
 def _row(t: torch.Tensor | float | None, accum: torch.dtype) -> torch.Tensor | float | None:

@@ -1,4 +1,4 @@
-"""Triton kernel of the fused linear + cross-entropy backward, and its launcher.
+"""Triton kernel of the fused linear + cross-entropy backward: one chunk of ``G``.
 
 The backward of ``loss = CE(z, y) + z_loss * lse^2`` with ``z = cap(r)``,
 ``r = x @ W.T + b`` (``cap(r) = c * tanh(r / c)`` with ``softcap`` c, else the identity),
@@ -9,27 +9,17 @@ over one vocabulary shard is (the operator's math: ``vocab_parallel.ops``)
     cap'(r)     = 1 - tanh(r / c)^2                           (q: target distribution)
     grad_input  = G @ W;   grad_weight = G.T @ x;   grad_bias = G.sum(0)
 
-The full ``G`` is ``[BT, V]``; we never hold it. The launcher walks the vocabulary in
-chunks of ``CV`` columns. For each chunk, ``_logits_grad_kernel`` recomputes the logits
-tile by tile (memory-saving mode: bias and cap included), or reads the saved softmax or
-the saved capped logits (high-performance mode) and applies the whole epilogue in
-registers: cap, exp, normalise, z-loss scale, one-hot, label smoothing, scale by
-``grad``, the cap's derivative, round to the input dtype. Only the chunk
-``G[:, v0:v0+CV]`` reaches memory.
+The full ``G`` is ``[BT, V]``; nobody holds it. Its launcher
+(``vocab_parallel.triton_backend.fused_backward``) walks the vocabulary in chunks of
+``CV`` columns and, for each, launches ``logits_grad_kernel``, which recomputes the
+logits tile by tile (memory-saving mode: bias and cap included), or reads the saved
+softmax or the saved capped logits (high-performance mode) and applies the whole
+epilogue in registers: cap, exp, normalise, z-loss scale, one-hot, label smoothing, scale
+by ``grad``, the cap's derivative, round to the input dtype. Only the chunk
+``G[:, v0:v0+CV]`` reaches memory; the two gradient GEMMs are the launcher's (torch).
 
-The two gradient GEMMs are what cuBLAS does best: they go through torch (fp32 outputs,
-``vocab_parallel.precision``) in the chunk loop shared with the torch backend
-(``vocab_parallel.chunking.gradient_products``): ``grad_input`` accumulates each
-chunk's ``G_c @ W_c`` in fp32, ``grad_weight[v0:v0+CV] = G_c.T @ x``. Under Triton's
-interpreter the same loop runs the same torch calls on CPU tensors.
-
-Chunks are visited in a fixed order and every kernel output element is written by one
-program (no atomics): results are bitwise deterministic. Memory beyond inputs and outputs
-is one ``[BT, CV]`` chunk, the ``[BT, H]`` fp32 accumulator, and (half inputs) the fp32
-products of one chunk; none grows with V.
-
-This module knows nothing of torch.distributed nor of input validation: the public
-operator validates, this launcher allocates and launches.
+Every kernel output element is written by one program (no atomics): results are bitwise
+deterministic.
 """
 
 from __future__ import annotations
@@ -41,25 +31,19 @@ import torch
 import triton
 import triton.language as tl
 
-from vocab_parallel import memory
-from vocab_parallel.chunking import gradient_products
-from vocab_parallel.interface import Grads, GradTerms, Logits, Outputs
-from vocab_parallel.kernels.common import (
+from .common import (
     TileConfig,
-    device_capability,
     dot_in_fp32,
-    full_vector,
     interpreting,
     logits_tile,
     round_bf16_rtne,
     tanh,
-    tile_config,
     tile_configs,
 )
 
 
 @triton.jit
-def _logits_grad_kernel(
+def logits_grad_kernel(
     # Pointers
     x_ptr,  # [BT, H] input (memory-saving mode)
     w_ptr,  # [V, H] weight, rows of this shard (memory-saving mode)
@@ -144,7 +128,7 @@ def _logits_grad_kernel(
                 H, stride_xm, stride_xk, stride_wn, stride_wk,
                 HAS_BIAS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-            if SOFTCAP:  # exactly the forward's z (kernels.forward)
+            if SOFTCAP:  # exactly the forward's z (forward_stats_kernel)
                 t = tanh(z * (1.0 / softcap))
                 z = t * softcap
             if SCALED:  # the temperature
@@ -189,7 +173,7 @@ def _logits_grad_kernel(
 SOURCES = ("recompute", "softmax", "logits")
 
 
-def _meta(
+def meta(
     dtype: torch.dtype,
     source: str,
     has_bias: bool,
@@ -198,7 +182,8 @@ def _meta(
     tile: TileConfig,
     entropy: bool = False,
 ) -> dict:
-    """Constexprs and launch options of one launch (shared with :func:`launch_variants`)."""
+    """Constexprs and launch options of one launch (the launcher's and
+    :func:`launch_variants`')."""
     return dict(
         HAS_SOFTMAX=source == "softmax",
         HAS_LOGITS=source == "logits",
@@ -212,7 +197,7 @@ def _meta(
     )
 
 
-def _kernel_name(source: str) -> str:
+def kernel_name(source: str) -> str:
     """The tile table entry: a saved tensor is streamed, recomputed logits are a matmul."""
     return "logits_grad" if source == "recompute" else "softmax_grad"
 
@@ -227,7 +212,7 @@ def _flags(source: str) -> list[tuple[bool, bool]]:
     return [(b, c) for b in biases for c in (False, True)]
 
 
-def _entropy_tile(tile: TileConfig, entropy: bool, softcap: bool) -> TileConfig:
+def entropy_tile(tile: TileConfig, entropy: bool, softcap: bool) -> TileConfig:
     """The entropy's term with a softcap holds ``z - max``, ``tanh`` and the softmax tile
     at once: half the columns again and half the depth of each product step (else 255
     registers on sm_100 with triton 3.9, spills there with 3.6:
@@ -240,8 +225,9 @@ def _entropy_tile(tile: TileConfig, entropy: bool, softcap: bool) -> TileConfig:
 
 
 def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
-    """Every ``(kernel, input dtype, constexprs and launch options)`` this launcher can
-    choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
+    """Every ``(kernel, input dtype, constexprs and launch options)`` the launcher
+    (``vocab_parallel.triton_backend.fused_backward``) can choose on a GPU of
+    ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
     # The entropy's term comes with per-row terms (SCALED) and needs the logits.
     kinds = [(False, False), (True, False), (True, True)]  # (scaled, entropy)
@@ -251,92 +237,8 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
                 continue
             for dtype in (torch.float16, torch.bfloat16, torch.float32):
                 heavy = has_bias or softcap or scaled
-                for tile in tile_configs(_kernel_name(source), dtype, capability, heavy):
-                    tile = _entropy_tile(tile, entropy, softcap)
-                    meta = _meta(dtype, source, has_bias, softcap, scaled, tile, entropy)
-                    variants.append((_logits_grad_kernel, dtype, meta))
+                for tile in tile_configs(kernel_name(source), dtype, capability, heavy):
+                    tile = entropy_tile(tile, entropy, softcap)
+                    kw = meta(dtype, source, has_bias, softcap, scaled, tile, entropy)
+                    variants.append((logits_grad_kernel, dtype, kw))
     return variants
-
-
-def fused_backward(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    local_target: torch.Tensor,
-    logits: Logits,
-    terms: GradTerms,
-    out: Outputs,
-) -> Grads:
-    """:class:`Grads` of ``G`` (``vocab_parallel.backend.Backend.fused_backward``) over
-    vocabulary chunks; inputs are already validated. ``terms.reuse_logits`` changes
-    nothing here (``G`` has its own buffer in the input dtype)."""
-    bt, h = x.shape
-    v = weight.shape[0]
-    softmax, saved_logits, softcap = terms.softmax, terms.logits, logits.softcap
-    source = (
-        "softmax" if softmax is not None else "logits" if saved_logits is not None else "recompute"
-    )
-    has_bias = logits.bias is not None and source == "recompute"
-    capability = device_capability(x.device)
-    # A temperature, per-row on-target amounts or class weights: the SCALED variant; the
-    # plain one takes on_target as a scalar.
-    per_row_hot = isinstance(terms.on_target, torch.Tensor)
-    entropy = terms.entropy is not None
-    if entropy and source == "softmax":
-        raise ValueError("terms: the entropy's term needs the logits, not a saved softmax")
-    scaled = (
-        logits.inv_temperature is not None
-        or per_row_hot
-        or terms.class_weight is not None
-        or entropy
-    )
-    heavy = has_bias or softcap is not None or scaled  # see tile_config
-    tile = tile_config(_kernel_name(source), x.dtype, capability, bt, heavy)
-    tile = _entropy_tile(tile, entropy, softcap is not None)
-    meta = _meta(x.dtype, source, has_bias, softcap is not None, scaled, tile, entropy)
-    target = local_target.contiguous()
-    grad = terms.grad.float().contiguous()
-    dummy = grad  # stands in for pointers the chosen mode never reads
-    saved = {"softmax": softmax, "logits": saved_logits}.get(source, dummy)
-    lmax = dummy if source == "softmax" else terms.logits_max.contiguous()
-    lsum = dummy if source == "softmax" else terms.sum_exp.contiguous()
-    b = logits.bias.contiguous() if has_bias else x
-    s_strides = (0, 0) if saved is dummy else (saved.stride(0), saved.stride(1))
-
-    prob_scale = terms.prob_scale
-    if prob_scale is None:  # one factor 1.0 for every row
-        prob_scale = torch.ones(1, dtype=torch.float32, device=x.device)
-    prob_scale = prob_scale.to(torch.float32).contiguous()
-    stride_ps = prob_scale.stride(0) if prob_scale.shape[0] == bt else 0
-    stride_grad = grad.stride(0) if grad.shape[0] == bt else 0
-    hot = inv_t = cw = dummy  # the SCALED variant's vectors, in full
-    if scaled:
-        hot = full_vector(terms.on_target if per_row_hot else float(terms.on_target), bt, x.device)
-        inv_t = full_vector(logits.inv_temperature, bt, x.device)
-        cw = full_vector(terms.class_weight, v, x.device)
-    ent = full_vector(terms.entropy, bt, x.device) if entropy else dummy
-    on_target = 1.0 if per_row_hot else float(terms.on_target)
-    cap = 1.0 if softcap is None else float(softcap)
-    cv = memory.columns(bt, v, x.device.type, "logits", itemsize=x.element_size(), h=h)
-    g_buf = None
-
-    def make_g(v0: int, v1: int, x_op, w_op) -> torch.Tensor:
-        nonlocal g_buf
-        if g_buf is None:
-            g_buf = torch.empty((bt, cv), dtype=x.dtype, device=x.device)
-        n = v1 - v0
-        g = g_buf[:, :n]
-        grid = (triton.cdiv(bt, tile.BLOCK_M), triton.cdiv(n, tile.BLOCK_N))
-        _logits_grad_kernel[grid](
-            x, weight, b, saved, grad, target, lmax, lsum, prob_scale, hot, cw, inv_t, ent, g,
-            bt, h, v0, n,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            s_strides[0], s_strides[1], stride_grad, stride_ps, g.stride(0), g.stride(1),
-            on_target, float(terms.smooth), cap,
-            **meta,
-        )  # fmt: skip
-        return g
-
-    bias_dtype = x.dtype if logits.bias is None else logits.bias.dtype
-    return gradient_products(
-        x, weight, cv, make_g, out, g_reads_operands=False, bias_grad_dtype=bias_dtype
-    )

@@ -1,4 +1,4 @@
-"""Pieces shared by the forward and backward kernels: the logits tile and tile choices.
+"""Pieces shared by the kernels: the logits tile, ``tanh``, and the tile choices.
 
 Addresses: Triton passes an int argument below 2^31 as i32, and ``program_id`` and
 ``arange`` are i32, so ``rows * stride`` wraps once an offset passes 2^31 (a [BT, V]
@@ -8,14 +8,14 @@ to int64 before it meets a stride.
 Tiles: :func:`tile_config` picks the tile of each kernel from (compute capability,
 dtype, rows) out of a small table whose every entry fits the target's shared memory
 (``tests/test_gpu_compile.py`` compiles each of them ahead of time for sm_80, sm_90 and
-sm_100 and checks shared memory and registers). The device is queried lazily, once per
-device, never at import time.
+sm_100 and checks shared memory and registers). Nothing here queries a device: the
+launchers (``vocab_parallel.triton_backend``) pass the capability, or None under the
+interpreter.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import os
 from dataclasses import dataclass
@@ -227,33 +227,6 @@ def tile_configs(
     return list(dict.fromkeys(configs))
 
 
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
-    """Vocabulary splits of a statistics kernel (each writes ``[splits, BT]`` partials
-    that its launcher merges) so that the grid fills the device (few when interpreting)."""
-    if interpreting() or device.type != "cuda":
-        return min(n_tiles, 2)  # two splits still exercise the merge
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    programs = 4 * _multiprocessors(index)
-    return max(1, min(n_tiles, triton.cdiv(programs, n_row_blocks)))
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def device_capability(device: torch.device) -> tuple[int, int] | None:
-    """Compute capability of ``device`` (queried once per device); None when interpreting."""
-    if interpreting() or device.type != "cuda":
-        return None
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Cast tl.dot operands to fp32: for fp32 inputs (exact "ieee" products) and in the
     interpreter, whose tl.dot multiplies the raw bit patterns of bf16 operands."""
@@ -263,15 +236,6 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 # tl.fdiv(..., approx=True) exists from some triton after 3.6 on (3.9 has it): a
 # compile-time branch, so the older triton never sees the keyword.
 HAS_APPROX_DIV = tl.constexpr("approx" in inspect.signature(tl.fdiv).parameters)
-
-
-def full_vector(t: torch.Tensor | float | None, n: int, device) -> torch.Tensor:
-    """An fp32 contiguous ``[n]`` vector for a kernel: ``t`` (``n`` values, or one value
-    broadcast), or ones for None."""
-    if t is None:
-        return torch.ones(n, dtype=torch.float32, device=device)
-    t = torch.as_tensor(t, dtype=torch.float32, device=device)
-    return t.reshape(-1).expand(n).contiguous()
 
 
 @triton.jit

@@ -13,10 +13,11 @@ pass over vocabulary tiles gives
 
 so the logits are produced once and never stored (unless high-performance mode asks for
 them, to turn them into the saved softmax). The vocabulary is cut into a fixed number of
-splits that run in parallel; each writes its partial statistics and the launcher merges
-them in a fixed order (deterministic, and bounded memory: ``[splits, BT]``, independent
-of V). Cross-rank reduction belongs to the caller. Row and column indices are int64
-(``vocab_parallel.kernels.common``): the stored logits pass 2^31 elements at scale.
+splits that run in parallel; each writes its partial statistics and the launcher
+(``vocab_parallel.triton_backend.forward_stats``) merges them in a fixed order
+(deterministic, and bounded memory: ``[splits, BT]``, independent of V). Cross-rank
+reduction belongs to the caller. Row and column indices are int64 (``common``): the
+stored logits pass 2^31 elements at scale.
 """
 
 from __future__ import annotations
@@ -27,22 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from vocab_parallel.interface import PLAIN, LocalStats, Logits
-from vocab_parallel.kernels.common import (
-    TileConfig,
-    device_capability,
-    dot_in_fp32,
-    full_vector,
-    logits_tile,
-    num_splits,
-    tanh,
-    tile_config,
-    tile_configs,
-)
+from .common import TileConfig, dot_in_fp32, logits_tile, tanh, tile_configs
 
 
 @triton.jit
-def _forward_stats_kernel(
+def forward_stats_kernel(
     # Pointers
     x_ptr,  # [BT, H] input
     w_ptr,  # [V, H] weight rows of this shard
@@ -125,7 +115,7 @@ def _forward_stats_kernel(
         # Online max / sum-exp; padding columns count as -inf (exp gives 0).
         masked = tl.where(col_ok[None, :], acc, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(masked, axis=1))
-        if EXTRA_STATS:  # moved to the new max as the sum is (vocab_parallel.interface)
+        if EXTRA_STATS:  # moved to the new max as the sum is (LocalStats.rescaled_extras)
             step = run_max - new_max  # <= 0
             decay = tl.exp(step)
             shifted = tl.where(run_sum > 0.0, shifted + step * run_sum, 0.0) * decay
@@ -158,7 +148,7 @@ def _forward_stats_kernel(
         tl.store(exp2_ptr + out, exp2, mask=row_ok)
 
 
-def _meta(
+def meta(
     dtype: torch.dtype,
     store_logits: bool,
     logit_sum: bool,
@@ -168,7 +158,8 @@ def _meta(
     tile: TileConfig,
     extra_stats: bool = False,
 ) -> dict:
-    """Constexprs and launch options of one launch (shared with :func:`launch_variants`)."""
+    """Constexprs and launch options of one launch (the launcher's and
+    :func:`launch_variants`')."""
     return dict(
         STORE_LOGITS=store_logits,
         LOGIT_SUM=logit_sum,
@@ -182,8 +173,9 @@ def _meta(
 
 
 def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
-    """Every ``(kernel, input dtype, constexprs and launch options)`` this launcher can
-    choose on a GPU of ``capability``: what the ahead-of-time compile test compiles."""
+    """Every ``(kernel, input dtype, constexprs and launch options)`` the launcher
+    (``vocab_parallel.triton_backend.forward_stats``) can choose on a GPU of
+    ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
     # store, logit sum, bias, cap, scaled, extra stats (never with the logit sum: the token
     # statistics have no label smoothing)
@@ -193,71 +185,6 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
             continue
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for tile in tile_configs("forward_stats", dtype, capability, heavy_epilogue=extra):
-                meta = _meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile, extra)
-                variants.append((_forward_stats_kernel, dtype, meta))
+                kw = meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile, extra)
+                variants.append((forward_stats_kernel, dtype, kw))
     return variants
-
-
-def forward_stats(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    local_target: torch.Tensor,
-    logits: Logits = PLAIN,
-    *,
-    logits_out: torch.Tensor | None = None,
-    logit_sum: bool = False,
-    class_weight: torch.Tensor | None = None,
-    extra_stats: bool = False,
-) -> LocalStats:
-    """:class:`LocalStats` of ``z = cap(x @ W.T + bias) / T``, each fp32 ``[BT]``
-    (``vocab_parallel.backend.Backend.forward_stats``).
-
-    ``local_target`` is int64 ``[BT]``, -1 where the row's target is not on this shard.
-    ``logits_out``, if given, is an fp32 ``[BT, V]`` buffer that receives ``z``.
-    A shard without columns gives max -inf and zero sums. ``logit_sum=False`` skips the
-    logit sum (only label smoothing needs it) and returns zeros for it. ``extra_stats``:
-    also the shifted and squared sums (``LocalStats``), merged over the splits as over
-    shards.
-    """
-    bt, h = x.shape
-    v = weight.shape[0]
-    f32 = dict(dtype=torch.float32, device=x.device)
-    if bt == 0 or v == 0:
-        zeros = [torch.zeros(bt, **f32) for _ in range(5 if extra_stats else 3)]
-        return LocalStats(torch.full((bt,), float("-inf"), **f32), *zeros)
-    capability = device_capability(x.device)
-    tile = tile_config("forward_stats", x.dtype, capability, bt, heavy_epilogue=extra_stats)
-    n_tiles = triton.cdiv(v, tile.BLOCK_N)
-    n_row_blocks = triton.cdiv(bt, tile.BLOCK_M)
-    splits = num_splits(n_row_blocks, n_tiles, x.device)
-    tiles_per_split = triton.cdiv(n_tiles, splits)
-    splits = triton.cdiv(n_tiles, tiles_per_split)
-    part = torch.empty((6 if extra_stats else 4, splits, bt), **f32)
-    store = logits_out is not None
-    out = logits_out if store else part
-    bias, softcap = logits.bias, logits.softcap
-    has_bias = bias is not None
-    # A temperature or class weights: the SCALED variant, with both vectors in full.
-    scaled = logits.inv_temperature is not None or class_weight is not None
-    inv_t = cw = part  # stand-ins for pointers the plain variant never reads
-    if scaled:
-        inv_t = full_vector(logits.inv_temperature, bt, x.device)
-        cw = full_vector(class_weight, v, x.device)
-    _forward_stats_kernel[(n_row_blocks, splits)](
-        x, weight, local_target.contiguous(), bias.contiguous() if has_bias else x, inv_t, cw,
-        out, part[0], part[1], part[2], part[3], part[-2], part[-1],
-        bt, h, v, tiles_per_split,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        out.stride(0) if store else 0, out.stride(1) if store else 0,
-        1.0 if softcap is None else float(softcap),
-        **_meta(x.dtype, store, logit_sum, has_bias, softcap is not None, scaled, tile,
-                extra_stats),
-    )  # fmt: skip
-    p_max, p_sum, p_pred, p_lsum = part[:4]
-    row_max = p_max.max(dim=0).values
-    row_sum = (p_sum * torch.exp(p_max - row_max)).sum(dim=0)  # p_max is finite: no NaN
-    extras = []
-    if extra_stats:  # each split's sums moved to the row max, added in split order
-        splits_stats = LocalStats(p_max, p_sum, p_pred, p_lsum, part[4], part[5])
-        extras = [t.sum(dim=0) for t in splits_stats.rescaled_extras(row_max[None, :])]
-    return LocalStats(row_max, row_sum, p_pred.sum(dim=0), p_lsum.sum(dim=0), *extras)

@@ -1,6 +1,6 @@
 """Benchmark: what the loss's input checks cost on the hot path.
 
-The loss compares what must agree across the ranks (``vocab_parallel.agreement``: options,
+The loss compares what must agree across the ranks (``vocab_parallel.parallel.agreement``: options,
 dtypes, gradient needs, token counts, checksums of targets and hidden states; one small
 collective), checks every target id against the vocabulary and, on CPU, exchanges one
 small row per rank to check the shard layout and the token counts at every call
@@ -40,9 +40,9 @@ def run_case(case: dict) -> dict:
     import torch.distributed as dist
 
     from vocab_parallel import LossOptions, shard_bounds, vocab_parallel_linear_cross_entropy
-    from vocab_parallel.agreement import check_agreement, fingerprint
-    from vocab_parallel.checks import check_targets
-    from vocab_parallel.layout import resolve_layout
+    from vocab_parallel.parallel.agreement import check_agreement, fingerprint
+    from vocab_parallel.parallel.checks import check_targets
+    from vocab_parallel.parallel.layout import resolve_layout
 
     rank, world = int(os.environ.get("RANK", "0")), case["world"]
     group = None

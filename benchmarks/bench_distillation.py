@@ -51,7 +51,7 @@ def _materialised(x, w, xt, wt, y, group):
     import torch.distributed as dist
     import torch.distributed.nn.functional as dnn
 
-    from vocab_parallel.layout import shard_bounds
+    from vocab_parallel.parallel.layout import shard_bounds
 
     world = 1 if group is None else dist.get_world_size(group)
 
@@ -88,7 +88,7 @@ def child(case: dict) -> dict:
     import torch.distributed as dist
 
     import vocab_parallel as vp
-    from vocab_parallel.layout import shard_bounds
+    from vocab_parallel.parallel.layout import shard_bounds
 
     world, rank = case["world"], int(os.environ["RANK"])
     group = None

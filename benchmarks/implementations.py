@@ -122,7 +122,8 @@ def make_loss(impl: str, case: dict, y, bounds, group, device):
     if impl == "naive":
         return lambda x, w: F.cross_entropy(F.linear(x, w), y, ignore_index=IGNORE)
     if impl in OURS:
-        from vocab_parallel import grad_in_forward, vocab_parallel_linear_cross_entropy
+        from vocab_parallel import vocab_parallel_linear_cross_entropy
+        from vocab_parallel.engine import grad_in_forward
 
         grad_in_forward.OVERLAP = impl != "ours_gif_sync"
         options = dict(

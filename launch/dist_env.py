@@ -33,8 +33,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from vocab_parallel import distributed
-from vocab_parallel.parallel import ParallelGroups, init_parallel_groups
+from vocab_parallel.parallel import collectives as distributed
+from vocab_parallel.parallel.groups import ParallelGroups, init_parallel_groups
 
 # The collective timeout of this process (seconds), for the messages of CollectiveError.
 _timeout_s: float | None = None

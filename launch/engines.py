@@ -44,12 +44,12 @@ from torch import nn
 
 from launch.config import deepspeed_config
 from launch.dist_env import collective, deepspeed_integration
-from vocab_parallel.distributed import world_size
-from vocab_parallel.parallel import ParallelGroups
+from vocab_parallel.parallel.collectives import world_size
+from vocab_parallel.parallel.groups import ParallelGroups
 
 
 def _is_dtensor(t: object) -> bool:
-    from vocab_parallel.dtensor import is_dtensor
+    from vocab_parallel.parallel.dtensor import is_dtensor
 
     return is_dtensor(t)
 

@@ -29,7 +29,7 @@ from launch.report import (
     record_error,
     side_by_side,
 )
-from vocab_parallel.filtering import gradient_filter_stats
+from vocab_parallel.engine.filtering import gradient_filter_stats
 
 log = logging.getLogger("train")
 

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from launch.config import DTYPES, filter_eps
-from vocab_parallel.distributed import world_size
-from vocab_parallel.layout import shard_bounds
 from vocab_parallel.lm_head import VocabParallelLMHead
+from vocab_parallel.parallel.collectives import world_size
+from vocab_parallel.parallel.layout import shard_bounds
 
 _HEAD_INIT_BLOCK = 1024  # rows per seeded block of the head's initial weight
 

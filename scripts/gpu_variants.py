@@ -129,7 +129,8 @@ def _key(kernel_name: str, dtype, meta: dict, with_tile: bool) -> tuple:
 
 def _recording(module, name: str, seen: list):
     """Wrap ``module.meta`` (the kernel module's, which its launcher in
-    ``vocab_parallel.triton_backend`` calls) so that each launch's constexprs are recorded."""
+    ``vocab_parallel.backends.triton_backend`` calls) so that each launch's constexprs are
+    recorded."""
     original = module.meta
 
     def meta(dtype, *args, **kwargs):

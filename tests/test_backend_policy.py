@@ -1,6 +1,6 @@
 """Backend policy: fp32 products everywhere, only the gradients asked for, no double backward.
 
-- ``vocab_parallel.precision``: the CUDA branch (half operands, fp32 GEMM output) run on
+- ``vocab_parallel.engine.precision``: the CUDA branch (half operands, fp32 GEMM output) run on
   CPU tensors gives the fp32-accumulated result, which the former bf16-output path of the
   torch backend on CUDA did not.
 - The loss's backward honours ``ctx.needs_input_grad``: no GEMM, allocation or all-reduce
@@ -20,10 +20,12 @@ from helpers import DEVICE, assert_matches_reference, dtype_id, make_case
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vocab_parallel as vp
-from vocab_parallel import autograd as loss_module  # the loss's autograd Function
-from vocab_parallel import memory, precision, torch_backend
-from vocab_parallel.backend import get_backend
-from vocab_parallel.interface import PLAIN, GradTerms, Logits, Outputs
+from vocab_parallel.backends import torch_backend
+from vocab_parallel.backends.interface import PLAIN, GradTerms, Logits, Outputs
+from vocab_parallel.backends.registry import get_backend
+from vocab_parallel.engine import autograd as loss_module  # the loss's autograd Function
+from vocab_parallel.engine import memory_policy as memory
+from vocab_parallel.engine import precision
 
 BT, H, V = 24, 20, 50  # distinct, so the shape of a product tells which product it is
 
@@ -278,7 +280,7 @@ def test_loss_hands_local_targets_to_the_backend_without_mask_round_trips(
 
 def _backend_module(name):
     if name == "triton":
-        from vocab_parallel import triton_backend
+        from vocab_parallel.backends import triton_backend
 
         return triton_backend
     return torch_backend

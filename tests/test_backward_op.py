@@ -27,7 +27,7 @@ from vocab_parallel import (
     shard_bounds,
     torch_backend,
 )
-from vocab_parallel.interface import PLAIN, GradTerms, Outputs
+from vocab_parallel.backends.interface import PLAIN, GradTerms, Outputs
 from vocab_parallel.reference import global_statistics
 
 SHAPES = [(37, 33, 129), (1, 1, 1), (64, 16, 260), (9, 70, 3)]
@@ -309,7 +309,7 @@ def test_torch_backend_chunks_equal_one_chunk(mode, dtype, monkeypatch):
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
 def test_triton_chunks_equal_one_chunk(mode, dtype, monkeypatch):
-    from vocab_parallel import triton_backend
+    from vocab_parallel.backends import triton_backend
 
     bt, h, v = 37, 20, 260
     case = make_case(bt, h, v, dtype=dtype, mode=mode, seed=6, label_smoothing=0.1)

@@ -1,4 +1,4 @@
-"""fp32 GEMMs of bf16 inputs on a CPU's bf16 units (vocab_parallel.precision.cpu_bf16_math).
+"""fp32 GEMMs of bf16 inputs on a CPU's bf16 units (vocab_parallel.engine.precision.cpu_bf16_math).
 
 The choice (``VOCAB_PARALLEL_CPU_HALF_GEMMS`` / ``set_cpu_half_gemms``), that it never
 rounds a product (every choice is exact), and that the process-wide oneDNN setting it
@@ -14,7 +14,8 @@ import threading
 import pytest
 import torch
 
-from vocab_parallel import precision, vocab_parallel_linear_cross_entropy
+from vocab_parallel import vocab_parallel_linear_cross_entropy
+from vocab_parallel.engine import precision
 from vocab_parallel.reference import linear_cross_entropy_reference
 
 needs_bf16_math = pytest.mark.skipif(

@@ -141,7 +141,7 @@ def _train(engine, groups, steps) -> tuple[list[float], list[float]]:
 
 
 def _train_stages(group, tp_size, stages, dtype, start=True):
-    from vocab_parallel.parallel import init_parallel_groups
+    from vocab_parallel.parallel.groups import init_parallel_groups
 
     if start:
         _start_deepspeed(group)
@@ -189,7 +189,7 @@ def test_zero_stages_equal_unsharded_pytorch(world, tp_size):
 
 def _bf16(group):
     """bf16 without ZeRO is refused (its clipping norm misses TP shards); ZeRO 1, 2 train."""
-    from vocab_parallel.parallel import init_parallel_groups
+    from vocab_parallel.parallel.groups import init_parallel_groups
 
     _start_deepspeed(group)
     groups = init_parallel_groups(2)
@@ -213,7 +213,7 @@ def test_bf16_zero_stages_track_fp32():
 
 
 def _checkpoint(group, tp_size, stages, ckpt_dir):
-    from vocab_parallel.parallel import init_parallel_groups
+    from vocab_parallel.parallel.groups import init_parallel_groups
 
     _start_deepspeed(group)
     groups = init_parallel_groups(tp_size)

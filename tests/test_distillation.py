@@ -17,7 +17,7 @@ from helpers import HAS_TRITON, peak_extra_in_child
 from multirank import run_ranks
 
 import vocab_parallel as vp
-from vocab_parallel.layout import shard_bounds
+from vocab_parallel.parallel.layout import shard_bounds
 from vocab_parallel.reference import distillation_reference
 from vocab_parallel.testing import token_split
 
@@ -237,7 +237,7 @@ def test_single_process_torch(case):
     assert check(case) == []
 
 
-# Grad-in-forward's forward KL on kept blocks (vocab_parallel.distill_stats.KeptForwardKL)
+# Grad-in-forward's forward KL on kept blocks (vocab_parallel.objectives.distill.KeptForwardKL)
 # with blocks of 64 columns: the exps written over the logits (T = 1 or no CE, no cap),
 # and the student's logits kept (a cap, or the CE at T != 1).
 KEPT = [
@@ -254,7 +254,8 @@ KEPT = [
 
 @pytest.mark.parametrize("case", KEPT, ids=str)
 def test_grad_in_forward_kept_blocks(case, monkeypatch):
-    from vocab_parallel import distill_stats, memory
+    from vocab_parallel.engine import memory_policy as memory
+    from vocab_parallel.objectives import distill as distill_stats
 
     monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", 1)  # the narrowest blocks
     assert distill_stats.kept_block_columns(case.tokens, case.vocab, "cpu") == 128
@@ -267,7 +268,8 @@ def test_single_process_triton(case):
     assert check(case) == []
 
 
-# The Triton backend's forward statistics in its two-head kernel (vocab_parallel.triton_distill):
+# The Triton backend's forward statistics in its two-head kernel
+# (vocab_parallel.backends.triton_distill):
 # odd shapes (37 tokens, V 389, H 48 / H_t 80: edge tiles in every dimension), both KLs
 # and the JSD's first pass, the CE mix with ignored tokens at T = 1 (the target logit
 # only) and T != 1 (the untempered sums too), a bias on either head, memory-saving
@@ -316,7 +318,7 @@ FUSED = [
 def distill_kernel_calls(monkeypatch):
     """The calls of the two-head kernels' launchers: ``"stats:<divergence>"``, ``"jsd"``
     (the JSD's second pass) and ``"grad:<divergence>"`` (G, once per backward)."""
-    from vocab_parallel import triton_distill as distill
+    from vocab_parallel.backends import triton_distill as distill
 
     calls = []
     stats, jsd, grad = distill.distill_stats, distill.jsd_sums, distill.divergence_gradient
@@ -371,7 +373,7 @@ def test_triton_forward_makes_no_logits_chunk(divergence, monkeypatch, distill_k
     (``HeadLogits.chunk`` refuses to run: memory-saving mode's backward recomputes both
     heads' tiles in the G kernel); the JSD's high-performance second pass reads the kept
     logits (a chunk), so it runs memory-saving mode only."""
-    from vocab_parallel.distill_stats import HeadLogits
+    from vocab_parallel.objectives.distill import HeadLogits
 
     case = DCase(**ODD, divergence=divergence, temperature="tensor", softcap=3.0,
                  bias=True, teacher_bias=True, hard_label_weight=0.2, seed=70)  # fmt: skip
@@ -417,8 +419,8 @@ def test_triton_kernel_statistics_equal_the_torch_path(divergence):
     32-column tile all ``-inf``) and the last 9 (no softcap: it would make them finite),
     and the CE's sums; an empty shard gives
     the starting maxima and zero sums."""
-    from vocab_parallel import triton_distill as distill
-    from vocab_parallel.distill_stats import Columns, HeadLogits, Spec, local_statistics
+    from vocab_parallel.backends import triton_distill as distill
+    from vocab_parallel.objectives.distill import Columns, HeadLogits, Spec, local_statistics
 
     g = torch.Generator().manual_seed(80)
     n, h, ht, v = 37, 48, 80, 389
@@ -470,8 +472,8 @@ def test_triton_divergence_kernels_equal_the_torch_chunks(divergence, dtype, sof
     second-pass kernel against the torch walk first (the terms both G's read). A masking
     bias of ``-inf`` over 40 columns of the teacher (the reverse KL's ``u - v`` infinite
     there: the student's too, so ``p_s = 0``) and 9 of both heads."""
-    from vocab_parallel import triton_distill as distill
-    from vocab_parallel.distill_stats import (
+    from vocab_parallel.backends import triton_distill as distill
+    from vocab_parallel.objectives.distill import (
         Columns,
         HeadLogits,
         Spec,
@@ -538,7 +540,7 @@ def test_triton_divergence_kernels_equal_the_torch_chunks(divergence, dtype, sof
 
 
 def test_divergence_kernel_launchers_name_their_parameters():
-    from vocab_parallel import triton_distill as distill
+    from vocab_parallel.backends import triton_distill as distill
 
     x, w = torch.randn(4, 8), torch.randn(16, 8)
     ones = torch.ones(4)

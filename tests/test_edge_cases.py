@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from multirank import run_ranks
 
 import vocab_parallel as vp
-from vocab_parallel import memory, torch_backend
-from vocab_parallel.interface import Logits
+from vocab_parallel.backends import torch_backend
+from vocab_parallel.backends.interface import Logits
+from vocab_parallel.engine import memory_policy as memory
 
 MODES = ("auto", "grad_in_forward", "memory_saving", "high_performance")
 

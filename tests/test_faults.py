@@ -202,7 +202,7 @@ def test_process_outside_the_group_raises():
 def _stalled_peer(group, timeout_s):
     import torch.distributed as dist
 
-    from vocab_parallel.parallel import init_parallel_groups
+    from vocab_parallel.parallel.groups import init_parallel_groups
 
     groups = init_parallel_groups(2, timeout=datetime.timedelta(seconds=timeout_s))
     if dist.get_rank() == 1:
@@ -229,7 +229,7 @@ def test_a_stalled_rank_gives_a_timeout_naming_the_collective():
 
 
 def _group_timeouts(group):
-    from vocab_parallel.parallel import ModelParallelUnit, init_parallel_groups
+    from vocab_parallel.parallel.groups import ModelParallelUnit, init_parallel_groups
 
     groups = init_parallel_groups(1, timeout=datetime.timedelta(seconds=7))
     mpu = ModelParallelUnit(groups)

@@ -18,8 +18,8 @@ from helpers import HAS_TRITON
 from multirank import run_ranks
 
 import vocab_parallel as vp
-from vocab_parallel.filtering import DENSE_ABOVE, TILE_COLS, TILE_ROWS, resolve_eps
-from vocab_parallel.layout import shard_bounds
+from vocab_parallel.engine.filtering import DENSE_ABOVE, TILE_COLS, TILE_ROWS, resolve_eps
+from vocab_parallel.parallel.layout import shard_bounds
 
 BT, H, V = 389, 48, 700
 LIVE = [(0, 256), (384, 512)]  # columns with bias 0; all others -60 (p ~ e^-60)
@@ -325,9 +325,9 @@ def test_chunk_loop_leaves_out_exactly_the_negligible_columns(dtype, which, acc)
     gradients written or added to the caller's accumulators, against float64 products of
     ``G`` with the expected tiles zeroed: per chunk, per row block, the columns with an
     entry at or above eps, and every column of a row block that keeps >= 3/4 of them."""
-    from vocab_parallel.chunking import gradient_products
-    from vocab_parallel.filtering import GradientFilter
-    from vocab_parallel.interface import Outputs
+    from vocab_parallel.backends.interface import Outputs
+    from vocab_parallel.engine.chunking import gradient_products
+    from vocab_parallel.engine.filtering import GradientFilter
 
     bt, v, h, cv, eps = 389, 700, 37, 256, 1e-4
     gen = torch.Generator().manual_seed(11)
@@ -391,9 +391,9 @@ def test_chunk_loop_leaves_out_exactly_the_negligible_columns(dtype, which, acc)
 def test_a_filter_that_leaves_out_nothing_is_bitwise_exact(bias):
     """Every tile kept (eps tiny): the products, G's rounding to bf16 and the bias
     gradient are bitwise those of the unfiltered loop."""
-    from vocab_parallel.chunking import gradient_products
-    from vocab_parallel.filtering import GradientFilter
-    from vocab_parallel.interface import Outputs
+    from vocab_parallel.backends.interface import Outputs
+    from vocab_parallel.engine.chunking import gradient_products
+    from vocab_parallel.engine.filtering import GradientFilter
 
     gen = torch.Generator().manual_seed(15)
     x = torch.randn(200, 24, generator=gen).bfloat16()
@@ -434,7 +434,7 @@ def test_tile_mask_is_the_same_in_every_dtype_of_g(per_row):
     """The tile test on ``G`` held in bf16 (CUDA's operands) or float64 (gradcheck) picks
     the tiles the fp32 test picks, for one upstream gradient (a mean: ignored rows 0) and
     for one per row; a NaN keeps its tile."""
-    from vocab_parallel.filtering import GradientFilter, tile_mask
+    from vocab_parallel.engine.filtering import GradientFilter, tile_mask
 
     g, _ = _structured_g(389, 300, torch.bfloat16, seed=13)
     row_grad = torch.full((389,), 0.5)

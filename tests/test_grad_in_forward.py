@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from helpers import BACKENDS, HAS_TRITON
 from multirank import run_ranks
 
-from vocab_parallel import grad_in_forward, memory, vocab_parallel_linear_cross_entropy
-from vocab_parallel.grad_in_forward import GradInForwardLinearCE
+from vocab_parallel import vocab_parallel_linear_cross_entropy
+from vocab_parallel.engine import grad_in_forward
+from vocab_parallel.engine import memory_policy as memory
+from vocab_parallel.engine.grad_in_forward import GradInForwardLinearCE
+from vocab_parallel.engine.memory_policy import token_rows
 from vocab_parallel.loss import resolve_mode
-from vocab_parallel.memory import token_rows
 from vocab_parallel.testing import Case, check_case, grid
 
 CPU = torch.device("cpu")
@@ -152,8 +154,8 @@ def test_token_rows_are_the_same_on_every_rank(monkeypatch):
 def test_no_vocabulary_rows_on_this_rank_gives_zeros_in_the_callers_buffers():
     """A shard of 0 rows (TP 4 over 3 tokens of vocabulary) writes zeros into the
     grad_input rows it was handed, and leaves accumulators being added to alone."""
-    from vocab_parallel.chunking import gradient_products
-    from vocab_parallel.interface import Outputs
+    from vocab_parallel.backends.interface import Outputs
+    from vocab_parallel.engine.chunking import gradient_products
 
     x = torch.randn(5, 4)
     w = torch.empty(0, 4)

@@ -34,8 +34,8 @@ CHILD = textwrap.dedent(
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     import torch
     import vocab_parallel as vp
-    from vocab_parallel import torch_backend
-    from vocab_parallel import triton_backend
+    from vocab_parallel.backends import torch_backend
+    from vocab_parallel.backends import triton_backend
 
     LIMIT = 2**31
     case = sys.argv[1]
@@ -116,7 +116,7 @@ CHILD = textwrap.dedent(
         stats_agree(x, w, target, 1e-5)
         grads_agree(x, w, target, 1e-2, logits_max=lmax, sum_exp_logits=sumexp)
     elif case == "distill":  # the distillation kernels: both heads' operands far apart
-        from vocab_parallel import triton_distill as distill
+        from vocab_parallel.backends import triton_distill as distill
 
         bt, h, ht, v = 6, 16, 24, 40
         x = torch.randn(bt, h, generator=gen).to(torch.bfloat16)

@@ -329,8 +329,8 @@ def test_diverged_tp_replicas_exit_non_zero(tp2_checkpoint, corpus_and_cache, tm
     rc, out = run_train(2, _resume_args(run_dir, corpus_and_cache, ["--tp", "2"]))
     assert "resumed from step 3" in out, out[-4000:]
     assert rc != 0, out[-4000:]
-    # The loss's agreement check (vocab_parallel.agreement) sees the TP ranks pass different
-    # hidden states at the first step and stops every rank; without it, the launcher's
+    # The loss's agreement check (vocab_parallel.parallel.agreement) sees the TP ranks pass
+    # different hidden states at the first step and stops every rank; without it, the launcher's
     # end-of-run check reports the divergence.
     stopped = "hidden: the ranks of process_group pass different values (checksum)" in out
     if not stopped:

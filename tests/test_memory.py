@@ -26,14 +26,14 @@ CHILD = textwrap.dedent(
     import torch
     import torch.nn.functional as F
     import vocab_parallel as vp
-    import vocab_parallel.memory
+    import vocab_parallel.engine.memory_policy
     from benchmarks.memory import PeakMemory
 
     impl, bt, h, v = sys.argv[1], *map(int, sys.argv[2:5])
     if impl == "grad_in_forward":
         # A chunk budget that binds at both V (else the chunk is 512 rows, growing with V
         # up to the 128 MiB budget): what is checked is everything else staying flat.
-        vocab_parallel.memory.WORKSPACE_BYTES["cpu"] = 16 << 20
+        vocab_parallel.engine.memory_policy.WORKSPACE_BYTES["cpu"] = 16 << 20
     torch.manual_seed(0)
     x = torch.randn(bt, h).requires_grad_(True)
     w = (torch.randn(v, h) * 0.05).requires_grad_(True)

@@ -440,7 +440,7 @@ def test_num_items_in_batch_not_a_number_is_a_type_error_naming_it(n):
 def test_num_items_in_batch_on_a_gpu_is_checked_without_a_host_sync():
     """A CUDA count (and a count of 0 against CUDA targets) is checked by device-side
     assertions: reading it back would wait for the device at every step."""
-    from vocab_parallel.reduction import check_items_counted, check_num_items_in_batch
+    from vocab_parallel.engine.reduction import check_items_counted, check_num_items_in_batch
 
     y = torch.randint(0, 9, (8,), device="cuda")
     ignored = torch.full_like(y, -100)

@@ -149,7 +149,7 @@ def _imports(path: Path) -> list[tuple[int, str, int]]:
 def test_the_kernels_import_nothing_of_the_library():
     """kernels/src/ holds Triton kernels only: they import triton, torch, the standard
     library and each other (relative imports, inside the package), never the library
-    above them, whose Triton backend (``vocab_parallel.triton_backend``) launches them."""
+    above them, whose Triton backend (``vocab_parallel.backends.triton_backend``) launches them."""
     allowed = {"triton", "torch", *sys.stdlib_module_names}
     modules = sorted((ROOT / "kernels" / "src").glob("*.py"))
     assert {p.name for p in modules} >= {"common.py", "forward.py", "backward.py", "distill.py"}
@@ -187,7 +187,7 @@ def _name_comparisons(path: Path, names: set[str]) -> list[int]:
 
 
 def test_only_the_registry_compares_backend_names():
-    """Backends implement the interface's primitives (``vocab_parallel.interface``);
+    """Backends implement the interface's primitives (``vocab_parallel.backends.interface``);
     which one runs is the registry's business (``backend.py``, with the options' list of
     names): nothing else asks for a backend by comparing its name."""
     registry = {ROOT / PACKAGE / "backend.py", ROOT / PACKAGE / "options.py"}

@@ -105,7 +105,7 @@ def _misc(group):
     import torch.nn.functional as F
 
     from vocab_parallel import VocabParallelLMHead, shard_bounds
-    from vocab_parallel import sequence_parallel as sp
+    from vocab_parallel.parallel import sequence_parallel as sp
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     out = {}

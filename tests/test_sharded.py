@@ -1,4 +1,4 @@
-"""The checks of ``vocab_parallel.sharded`` in one process, on stand-ins for a ZeRO-3
+"""The checks of ``vocab_parallel.parallel.sharded`` in one process, on stand-ins for a ZeRO-3
 parameter (the attributes DeepSpeed sets: an empty tensor and ``ds_shape``); the real
 frameworks are in ``tests/test_zero3.py`` and ``tests/test_fsdp2.py``."""
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from vocab_parallel import VocabParallelLMHead, vocab_parallel_linear_cross_entropy
 from vocab_parallel.integrations.heads import head_from_autotp
-from vocab_parallel.sharded import check_gathered, full_shape, zero3_partitioned
+from vocab_parallel.parallel.sharded import check_gathered, full_shape, zero3_partitioned
 
 
 def _zero3_like(linear: nn.Linear) -> nn.Parameter:

@@ -15,7 +15,7 @@ from helpers import HAS_TRITON, peak_extra_in_child
 from multirank import run_ranks
 
 import vocab_parallel as vp
-from vocab_parallel.layout import shard_bounds
+from vocab_parallel.parallel.layout import shard_bounds
 from vocab_parallel.reference import scaled_logits_reference, token_stats_reference
 from vocab_parallel.testing import token_split
 

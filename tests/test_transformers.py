@@ -613,7 +613,7 @@ def test_trainer_predict_and_evaluate_get_the_logits(tmp_path):
 def _clip_full_model(params, max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_ for a model with DTensor (sharded) and plain parameters,
     which torch's own refuses to mix: the norm of the whole model's gradient."""
-    from vocab_parallel.dtensor import is_dtensor
+    from vocab_parallel.parallel.dtensor import is_dtensor
 
     params = [p for p in params if p.grad is not None]
     grads = [p.grad.full_tensor() if is_dtensor(p.grad) else p.grad for p in params]
@@ -633,8 +633,8 @@ def _dtensor_runs(group) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from vocab_parallel.dtensor import is_dtensor
     from vocab_parallel.integrations.torch_tp import head_from_colwise
+    from vocab_parallel.parallel.dtensor import is_dtensor
 
     rank = dist.get_rank(group)
     mesh = init_device_mesh("cpu", (dist.get_world_size(group),))

@@ -16,7 +16,7 @@ import torch
 from multirank import run_ranks
 
 from vocab_parallel.integrations import verl as vp_verl
-from vocab_parallel.layout import shard_bounds
+from vocab_parallel.parallel.layout import shard_bounds
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("verl") is None, reason="verl is not installed"

@@ -13,9 +13,9 @@ Public API:
     gradient_filter_stats                 what gradient filtering left out (filter_eps)
 """
 
+from vocab_parallel import _moved
 from vocab_parallel.distillation import vocab_parallel_distillation_loss
-from vocab_parallel.filtering import GradientFilterStats, gradient_filter_stats
-from vocab_parallel.layout import shard_bounds
+from vocab_parallel.engine.filtering import GradientFilterStats, gradient_filter_stats
 from vocab_parallel.lm_head import VocabParallelLMHead
 from vocab_parallel.loss import (
     LossOutput,
@@ -25,6 +25,7 @@ from vocab_parallel.loss import (
 from vocab_parallel.mask import pack_target_mask, unpack_target_mask
 from vocab_parallel.ops import fused_linear_cross_entropy_loss_grad
 from vocab_parallel.options import LossOptions
+from vocab_parallel.parallel.layout import shard_bounds
 from vocab_parallel.token_stats import TokenStats, vocab_parallel_token_stats
 
 __all__ = [
@@ -44,3 +45,5 @@ __all__ = [
     "GradientFilterStats",
 ]
 __version__ = "0.1.0"
+
+_moved.install()  # the old flat module paths keep working (with a DeprecationWarning)

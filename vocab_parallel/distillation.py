@@ -9,7 +9,7 @@ vocabulary and the teacher's ``p_t`` (``softmax(softcap(teacher_hidden @ W_t.T +
 T)``, ``W_t`` the same vocabulary rows as ``W``; or its top-k log-probs and the tail bin),
 each token's loss is ``(1 - a) D(p_t, p_s) + a CE(z_s, target)`` (``docs/design.md``,
 "Distillation": the formulas, the collectives). Every rank walks its own columns in
-chunks (``vocab_parallel.distill_stats``); the normalisers of both heads and the
+chunks (``vocab_parallel.objectives.distill``); the normalisers of both heads and the
 divergence's sums are per-token scalars in one MAX and one SUM all-reduce (the JSD adds a
 second pass and one more SUM of two). Gradients reach the student's hidden, weight and
 bias only.
@@ -28,12 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vocab_parallel import precision
-from vocab_parallel import sequence_parallel as _sp
-from vocab_parallel.agreement import _checksum
-from vocab_parallel.autograd import guarded_backward, no_autocast, sum_grad_input
-from vocab_parallel.chunking import gradient_products
-from vocab_parallel.distill_stats import (
+from vocab_parallel.backends.interface import Outputs
+from vocab_parallel.engine import precision
+from vocab_parallel.engine.autograd import guarded_backward, no_autocast, sum_grad_input
+from vocab_parallel.engine.chunking import gradient_products
+from vocab_parallel.engine.entry import autocast_inputs, prepare_call
+from vocab_parallel.engine.grad_in_forward import hand_out, outputs, walk_token_chunks
+from vocab_parallel.engine.objective import Objective
+from vocab_parallel.engine.reduction import mean_denominator, reduce_losses
+from vocab_parallel.objectives.cross_entropy import Call
+from vocab_parallel.objectives.distill import (
     DIVERGENCES,
     Columns,
     HeadLogits,
@@ -48,15 +52,11 @@ from vocab_parallel.distill_stats import (
     local_statistics,
     reduce_statistics,
 )
-from vocab_parallel.distributed import world_size
-from vocab_parallel.dtensor import is_dtensor
-from vocab_parallel.entry import autocast_inputs, prepare_call
-from vocab_parallel.grad_in_forward import hand_out, outputs, walk_token_chunks
-from vocab_parallel.interface import Outputs
-from vocab_parallel.objective import Objective
 from vocab_parallel.options import LossOptions, PendingOptions
-from vocab_parallel.reduction import mean_denominator, reduce_losses
-from vocab_parallel.stats import Call
+from vocab_parallel.parallel import sequence_parallel as _sp
+from vocab_parallel.parallel.agreement import _checksum
+from vocab_parallel.parallel.collectives import world_size
+from vocab_parallel.parallel.dtensor import is_dtensor
 
 __all__ = ["DIVERGENCES", "vocab_parallel_distillation_loss"]
 
@@ -157,7 +157,7 @@ def _token_shape(hidden, sequence_parallel: bool) -> tuple:
     """The token dims of ``hidden`` as the loss will see them (a DTensor's local tokens
     under sequence parallelism, else its global ones)."""
     if is_dtensor(hidden) and sequence_parallel:
-        from vocab_parallel.dtensor import _is_replicate
+        from vocab_parallel.parallel.dtensor import _is_replicate
 
         if not _is_replicate(hidden.placements[0]):
             return tuple(hidden.to_local().shape[:-1])
@@ -170,7 +170,7 @@ def _local(t, name: str, sequence_parallel: bool = False, rows: bool = False):
     (else all of them)."""
     if not is_dtensor(t):
         return t
-    from vocab_parallel.dtensor import _is_replicate, _is_shard
+    from vocab_parallel.parallel.dtensor import _is_replicate, _is_shard
 
     p = t.placements[0]
     if rows:
@@ -467,7 +467,7 @@ def _token_losses(spec: Spec, terms: RowTerms, ignored) -> torch.Tensor:
 def _products(call, spec, hidden, weight, bias, student, tea, terms, cols, inv_t, grad, out,
               kept: KeptForwardKL | None = None):  # fmt: skip
     """The student's gradients of these tokens: ``G`` chunk by chunk
-    (:func:`~vocab_parallel.distill_stats.gradient_chunk`, or ``kept``'s blocks) through
+    (:func:`~vocab_parallel.objectives.distill.gradient_chunk`, or ``kept``'s blocks) through
     the shared products."""
     a = spec.hard_label_weight
     scale_d = grad * (1.0 - a)
@@ -552,7 +552,7 @@ class DistillationFunction(torch.autograd.Function):
 
 class GradInForwardDistillation(torch.autograd.Function):
     """The loss (a 0-d sum or mean), the student's gradients computed on the way by the
-    engine's token-chunk walker (``vocab_parallel.grad_in_forward``): chunks whose two
+    engine's token-chunk walker (``vocab_parallel.engine.grad_in_forward``): chunks whose two
     heads' logits are made once, kept for the chunk's statistics, the JSD's second pass
     and ``G``. The backward scales the saved gradients by the upstream scalar."""
 
@@ -615,13 +615,13 @@ class GradInForwardDistillation(torch.autograd.Function):
 
 def _kept(spec: Spec) -> bool:
     """Whether grad-in-forward walks the kept blocks of
-    :class:`~vocab_parallel.distill_stats.KeptForwardKL` (the dense forward KL)."""
+    :class:`~vocab_parallel.objectives.distill.KeptForwardKL` (the dense forward KL)."""
     return spec.divergence == "forward_kl" and not spec.sparse
 
 
 class _ChunkWalk:
     """Distillation's step of the engine's token-chunk walker
-    (``vocab_parallel.grad_in_forward.walk_token_chunks``): per chunk, both heads' logits
+    (``vocab_parallel.engine.grad_in_forward.walk_token_chunks``): per chunk, both heads' logits
     into the walker's blocks, the statistics and terms (or, for a second backward, the
     forward's ``terms``), the token losses, and ``G``'s products, each token's ``G``
     scaled by ``token_grad``."""

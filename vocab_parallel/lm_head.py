@@ -25,8 +25,6 @@ from torch import nn
 
 from vocab_parallel import options as _options
 from vocab_parallel.distillation import run_distillation
-from vocab_parallel.distributed import world_size
-from vocab_parallel.layout import shard_bounds
 from vocab_parallel.loss import LossOutput, run_loss
 from vocab_parallel.options import (
     LAYOUT_OPTIONS,
@@ -36,7 +34,9 @@ from vocab_parallel.options import (
     StatsRequest,
     shown_options,
 )
-from vocab_parallel.sharded import check_plain, full_shape
+from vocab_parallel.parallel.collectives import world_size
+from vocab_parallel.parallel.layout import shard_bounds
+from vocab_parallel.parallel.sharded import check_plain, full_shape
 from vocab_parallel.token_stats import TOKEN_STATS_MODES, TokenStats, run_token_stats
 
 # The head's options that also shape its token statistics (the logits and execution).
@@ -166,7 +166,7 @@ class VocabParallelLMHead(nn.Module):
         embedding, and must then count once in gradient norms.
 
         A DeepSpeed ZeRO-3 parameter is taken at its whole shape (``ds_shape``); the loss
-        then reads it where ZeRO-3 gathers it (``vocab_parallel.sharded``).
+        then reads it where ZeRO-3 gathers it (``vocab_parallel.parallel.sharded``).
         """
         shape = full_shape(weight) if isinstance(weight, torch.Tensor) else ()
         if not isinstance(weight, nn.Parameter) or len(shape) != 2:

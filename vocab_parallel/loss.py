@@ -4,9 +4,10 @@
 (validated once, in the guarded step of ``prepare_call``, so that a value refused on one
 rank raises on every rank), and :func:`run_loss` does the rest for every entry (the module, the LM
 head, the integrations): the call prepared as every entry prepares it
-(``vocab_parallel.entry``: autocast, validation, agreement, layout, target checks), the
+(``vocab_parallel.engine.entry``: autocast, validation, agreement, layout, target checks), the
 autograd Function of the mode run on the flattened tokens and the result reduced
-(``vocab_parallel.reduction``). The math is in ``vocab_parallel.stats``; the design in
+(``vocab_parallel.engine.reduction``). The math is in
+``vocab_parallel.objectives.cross_entropy``; the design in
 ``docs/design.md``.
 """
 
@@ -19,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vocab_parallel import sequence_parallel as _sp
-from vocab_parallel.autograd import VocabParallelLinearCE
-from vocab_parallel.entry import prepare_call
-from vocab_parallel.grad_in_forward import GradInForwardLinearCE
-from vocab_parallel.objective import Objective
+from vocab_parallel.engine.autograd import VocabParallelLinearCE
+from vocab_parallel.engine.entry import prepare_call
+from vocab_parallel.engine.grad_in_forward import GradInForwardLinearCE
+from vocab_parallel.engine.objective import Objective
+from vocab_parallel.engine.reduction import reduce_losses
 from vocab_parallel.options import (
     MODES,
     REDUCTIONS,
@@ -31,7 +32,7 @@ from vocab_parallel.options import (
     PendingOptions,
     shown_options,
 )
-from vocab_parallel.reduction import reduce_losses
+from vocab_parallel.parallel import sequence_parallel as _sp
 
 __all__ = ["MODES", "REDUCTIONS", "LossOutput", "run_loss", "vocab_parallel_linear_cross_entropy"]
 
@@ -105,7 +106,7 @@ def vocab_parallel_linear_cross_entropy(
         mode: ``"auto"`` (default): ``"grad_in_forward"`` when it applies (not for fp16
             or float64 inputs), else ``"memory_saving"``. ``"grad_in_forward"``: for a scalar loss
             that will be differentiated, the forward computes the gradients token chunk by
-            token chunk (three GEMMs, no recompute; ``vocab_parallel.grad_in_forward``);
+            token chunk (three GEMMs, no recompute; ``vocab_parallel.engine.grad_in_forward``);
             elsewhere it runs as ``"memory_saving"`` (with a warning for
             ``reduction="none"``). ``"memory_saving"``: keep per-token statistics, recompute
             the logits in the backward (four GEMMs). ``"high_performance"``: keep the fp32
@@ -127,14 +128,14 @@ def vocab_parallel_linear_cross_entropy(
             bf16, 2^-28 for fp32) or a float ``eps >= 0``: each vocabulary column of a
             block of 128 tokens of the gradient of the logits whose every entry is below
             ``eps`` per unit of upstream gradient is left out of the gradient GEMMs
-            (``vocab_parallel.filtering``: the bound on what that changes;
+            (``vocab_parallel.engine.filtering``: the bound on what that changes;
             ``gradient_filter_stats()`` counts the tiles left out).
         filter_grads: which products ``filter_eps`` applies to: ``"both"`` (default),
             ``"weight"`` or ``"input"``. ``"weight"`` keeps ``grad_input`` exact: its
             error is the one that adds up over a row's many small probabilities.
 
     ``weight`` (and ``bias``, ``class_weight``) may be DTensors placed ``Shard(0)`` on a
-    1-D mesh, which then gives the group and layout (``vocab_parallel.dtensor``).
+    1-D mesh, which then gives the group and layout (``vocab_parallel.parallel.dtensor``).
 
     Returns:
         The fp32 loss (a scalar, or per token for ``reduction="none"``; float64 for
@@ -167,7 +168,7 @@ def run_loss(
     pending: made where a refused value raises on every rank alike).
 
     With ``check_inputs`` the ranks of the group first compare what must agree
-    (``vocab_parallel.agreement``): a difference, or arguments refused on one rank, raise
+    (``vocab_parallel.parallel.agreement``): a difference, or arguments refused on one rank, raise
     on every rank alike before any collective whose size depends on the inputs."""
     prep = prepare_call(
         hidden, weight, target, opts, process_group, CrossEntropy(),
@@ -183,7 +184,7 @@ def run_loss(
     if opts.reduction == "none":
         losses = _sp.own_tokens(losses, slices).reshape(shape)
     if mode == "grad_in_forward" and opts.reduction == "mean":
-        out = losses  # the mean already (vocab_parallel.grad_in_forward)
+        out = losses  # the mean already (vocab_parallel.engine.grad_in_forward)
     else:
         out = reduce_losses(losses, weights, opts.reduction, num_items_in_batch)
     if opts.return_lse:

@@ -25,13 +25,13 @@ seed's):
     grad_bias   = G.sum(0)          # [V], fp32 sum, in bias dtype (return_bias_grad)
 
 These are the gradients of ``loss_i = CE(z_i, target_i) + z_loss * lse_i^2`` (the loss's
-math: ``vocab_parallel.autograd``). A saved softmax cannot carry the softcap's
+math: ``vocab_parallel.engine.autograd``). A saved softmax cannot carry the softcap's
 derivative (it needs ``z``): with ``softcap`` the high-performance form passes the saved
 capped ``logits`` and the statistics instead.
 
 This module holds the operator alone: it validates the operator's input forms (packed or
 bool mask, int32 or int64 targets, clamping) and translates them to the one backend
-interface (``vocab_parallel.backend``: int64 local targets, -1 where the row's target is
+interface (``vocab_parallel.backends.registry``: int64 local targets, -1 where the row's target is
 not here, and the terms of ``G``); ``vocab_parallel.reference`` has it in float64.
 
 Its keyword-only options:
@@ -65,9 +65,9 @@ import math
 
 import torch
 
-from vocab_parallel import precision
-from vocab_parallel.backend import get_backend, resolve_backend
-from vocab_parallel.interface import GradTerms, Logits, Outputs
+from vocab_parallel.backends.interface import GradTerms, Logits, Outputs
+from vocab_parallel.backends.registry import get_backend, resolve_backend
+from vocab_parallel.engine import precision
 from vocab_parallel.mask import unpack_target_mask
 from vocab_parallel.options import (
     check_flag,

@@ -81,7 +81,7 @@ def check_temperature(temperature: object) -> float | torch.Tensor:
 
 def check_filter_eps(filter_eps: object) -> float | str | None:
     """``filter_eps``: None (exact, the default), ``"auto"`` (``eps(input dtype) / 32``,
-    resolved per call by :func:`vocab_parallel.filtering.resolve_eps`) or a finite float
+    resolved per call by :func:`vocab_parallel.engine.filtering.resolve_eps`) or a finite float
     >= 0 (``docs/design.md``, "Gradient filtering")."""
     if filter_eps is None or filter_eps == "auto":
         return filter_eps
@@ -123,7 +123,7 @@ class LossOptions:
     (this rank's ``[V_local]`` rows). Outputs and execution: ``return_lse``, ``mode``,
     ``backend``, ``check_inputs``, ``sequence_parallel``. Layout: ``vocab_start_index``,
     ``global_vocab_size``. Speed, off by default because it changes results:
-    ``filter_eps`` and ``filter_grads`` (gradient filtering, ``vocab_parallel.filtering``).
+    ``filter_eps`` and ``filter_grads`` (gradient filtering, ``vocab_parallel.engine.filtering``).
 
     ``eq=False``: options holding tensors compare by identity, never element-wise.
     """
@@ -221,7 +221,7 @@ OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
 class PendingOptions:
     """A call's options as the user gave them, not validated yet: :class:`LossOptions`
     made by :meth:`make` inside the entry's guarded step
-    (:func:`vocab_parallel.entry.prepare_call`), so that a value refused on one rank raises
+    (:func:`vocab_parallel.engine.entry.prepare_call`), so that a value refused on one rank raises
     on every rank of the group alike, instead of leaving the others waiting in the ranks'
     agreement (``docs/design.md``, "Collectives and agreement").
 

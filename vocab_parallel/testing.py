@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from vocab_parallel.layout import shard_bounds
 from vocab_parallel.loss import vocab_parallel_linear_cross_entropy
+from vocab_parallel.parallel.layout import shard_bounds
 from vocab_parallel.reference import linear_cross_entropy_reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,7 +32,7 @@ LOSS_TOLERANCE = 1e-5
 
 def loss_tolerance(dtype: str, device: torch.device) -> float:
     """The loss's (and lse's) tolerance: fp32's, for inputs of any ``dtype`` on any
-    ``device`` (no product is rounded to the input dtype: ``vocab_parallel.precision``)."""
+    ``device`` (no product is rounded to the input dtype: ``vocab_parallel.engine.precision``)."""
     del dtype, device
     return LOSS_TOLERANCE
 

@@ -13,12 +13,12 @@ makes (``docs/design.md``, "Token statistics"), never materialising the logits:
 
 so log-probs and entropy cost no collective beyond the loss's two (the extra sums ride in
 its SUM all-reduce); top-k adds one all-gather of k candidates per rank
-(``vocab_parallel.topk``). The backward takes the upstream gradients of the log-probs
+(``vocab_parallel.objectives.topk``). The backward takes the upstream gradients of the log-probs
 (``a``) and of the entropy (``b``) together, per token, in the one fused epilogue:
 
     dL/dz_j = a [j = y] - p_j (a + b (H - log S) + b (z_j - M))
 
-which is the backends' ``G`` (``vocab_parallel.interface``) with ``prob_scale = -(a + b
+which is the backends' ``G`` (``vocab_parallel.backends.interface``) with ``prob_scale = -(a + b
 (H - log S))``, ``entropy = -b`` and ``on_target = -a``; then the same two gradient GEMMs
 and one fp32 all-reduce of ``grad_input`` as the loss. Nothing ``[tokens, V_local]`` is
 kept between forward and backward in the default (memory-saving) mode.
@@ -34,17 +34,22 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from vocab_parallel import precision
-from vocab_parallel import sequence_parallel as _sp
-from vocab_parallel.autograd import guarded_backward, no_autocast, sum_grad_input
-from vocab_parallel.backend import get_backend
-from vocab_parallel.distributed import world_size
-from vocab_parallel.entry import prepare_call
-from vocab_parallel.interface import GradTerms, Outputs
-from vocab_parallel.objective import Objective
+from vocab_parallel.backends.interface import GradTerms, Outputs
+from vocab_parallel.backends.registry import get_backend
+from vocab_parallel.engine import precision
+from vocab_parallel.engine.autograd import guarded_backward, no_autocast, sum_grad_input
+from vocab_parallel.engine.entry import prepare_call
+from vocab_parallel.engine.objective import Objective
+from vocab_parallel.objectives.cross_entropy import (
+    Call,
+    forward_stats,
+    local_targets,
+    reduce_statistics,
+)
+from vocab_parallel.objectives.topk import exchange_candidates, shard_candidates
 from vocab_parallel.options import LossOptions, PendingOptions, StatsRequest, made
-from vocab_parallel.stats import Call, forward_stats, local_targets, reduce_statistics
-from vocab_parallel.topk import exchange_candidates, shard_candidates
+from vocab_parallel.parallel import sequence_parallel as _sp
+from vocab_parallel.parallel.collectives import world_size
 
 TOKEN_STATS_MODES = ("auto", "memory_saving", "high_performance")
 

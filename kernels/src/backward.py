@@ -10,7 +10,7 @@ over one vocabulary shard is (the operator's math: ``vocab_parallel.ops``)
     grad_input  = G @ W;   grad_weight = G.T @ x;   grad_bias = G.sum(0)
 
 The full ``G`` is ``[BT, V]``; nobody holds it. Its launcher
-(``vocab_parallel.triton_backend.fused_backward``) walks the vocabulary in chunks of
+(``vocab_parallel.backends.triton_backend.fused_backward``) walks the vocabulary in chunks of
 ``CV`` columns and, for each, launches ``logits_grad_kernel``, which recomputes the
 logits tile by tile (memory-saving mode: bias and cap included), or reads the saved
 softmax or the saved capped logits (high-performance mode) and applies the whole
@@ -226,7 +226,7 @@ def entropy_tile(tile: TileConfig, entropy: bool, softcap: bool) -> TileConfig:
 
 def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
     """Every ``(kernel, input dtype, constexprs and launch options)`` the launcher
-    (``vocab_parallel.triton_backend.fused_backward``) can choose on a GPU of
+    (``vocab_parallel.backends.triton_backend.fused_backward``) can choose on a GPU of
     ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
     # The entropy's term comes with per-row terms (SCALED) and needs the logits.

@@ -9,7 +9,7 @@ Tiles: :func:`tile_config` picks the tile of each kernel from (compute capabilit
 dtype, rows) out of a small table whose every entry fits the target's shared memory
 (``tests/test_gpu_compile.py`` compiles each of them ahead of time for sm_80, sm_90 and
 sm_100 and checks shared memory and registers). Nothing here queries a device: the
-launchers (``vocab_parallel.triton_backend``) pass the capability, or None under the
+launchers (``vocab_parallel.backends.triton_backend``) pass the capability, or None under the
 interpreter.
 """
 

@@ -12,7 +12,7 @@ over vocabulary tiles makes both heads' tiles in registers and keeps
     m_c, s_c = max_j z, sum_j e^(z - m_c)   (CE_SUMS: the CE's untempered normaliser)
     pred     = z[target]                    (0 where the target is not on this shard)
 
-exactly the sums of ``vocab_parallel.distill_stats.local_statistics`` (a term whose
+exactly the sums of ``vocab_parallel.objectives.distill.local_statistics`` (a term whose
 exponential is 0 adds 0, also where ``v - u`` is infinite; the running maxima start at
 the most negative finite fp32, so a tile of ``-inf`` rescales by 1, never NaN). Neither
 head's logits reach memory unless ``STORE_LOGITS`` (high-performance mode keeps both
@@ -20,19 +20,19 @@ heads' capped, untempered logits for the backward). The JSD's first pass is the 
 with neither KL term; its second pass needs both global normalisers (``log m`` is not a
 sum of per-shard terms), so it is a kernel of its own, ``jsd_sums_kernel``: both tiles
 again, ``K_t = sum p_t (log p_t - log m)`` and ``K_s = sum p_s (log p_s - log m)``
-(``vocab_parallel.triton_distill.jsd_sums``). The top-k teacher stays on the torch
-epilogue over the forward-statistics kernel's logits (``vocab_parallel.distill_stats``).
+(``vocab_parallel.backends.triton_distill.jsd_sums``). The top-k teacher stays on the torch
+epilogue over the forward-statistics kernel's logits (``vocab_parallel.objectives.distill``).
 
 The backward from recomputed logits (memory-saving mode) has its own kernel,
 ``divergence_grad_kernel``: one ``G`` tile per program, both heads' tiles recomputed,
 ``G = c_d dD/du + c_ce (p1 - onehot)`` times the cap's derivative in registers (``dD/du``
-of each divergence: ``vocab_parallel.triton_distill.divergence_gradient``), written once
+of each divergence: ``vocab_parallel.backends.triton_distill.divergence_gradient``), written once
 in the input dtype for the shared chunk loop's two torch GEMMs. ``G`` from kept logits
 and the top-k teacher's are the torch epilogue's.
 
 The vocabulary is cut into splits that run in parallel, as in ``forward.py``: each writes
 its fp32 partials ``[splits, BT]``, and the launcher
-(``vocab_parallel.triton_distill.distill_stats``) merges them in split order
+(``vocab_parallel.backends.triton_distill.distill_stats``) merges them in split order
 (deterministic; memory independent of V). Cross-rank reduction is the caller's. Row and
 column indices are int64 (``common``).
 
@@ -495,7 +495,7 @@ def jsd_meta(dtype: torch.dtype, has_bias: bool, softcap: bool, tile: TileConfig
 
 def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
     """Every ``(kernel, input dtype, constexprs and launch options)`` the launchers
-    (``vocab_parallel.triton_distill``) can choose on a GPU of ``capability``: what the
+    (``vocab_parallel.backends.triton_distill``) can choose on a GPU of ``capability``: what the
     ahead-of-time compile test compiles."""
     variants = []
     dtypes = (torch.float16, torch.bfloat16, torch.float32)

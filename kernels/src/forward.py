@@ -14,7 +14,7 @@ pass over vocabulary tiles gives
 so the logits are produced once and never stored (unless high-performance mode asks for
 them, to turn them into the saved softmax). The vocabulary is cut into a fixed number of
 splits that run in parallel; each writes its partial statistics and the launcher
-(``vocab_parallel.triton_backend.forward_stats``) merges them in a fixed order
+(``vocab_parallel.backends.triton_backend.forward_stats``) merges them in a fixed order
 (deterministic, and bounded memory: ``[splits, BT]``, independent of V). Cross-rank
 reduction belongs to the caller. Row and column indices are int64 (``common``): the
 stored logits pass 2^31 elements at scale.
@@ -174,7 +174,7 @@ def meta(
 
 def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
     """Every ``(kernel, input dtype, constexprs and launch options)`` the launcher
-    (``vocab_parallel.triton_backend.forward_stats``) can choose on a GPU of
+    (``vocab_parallel.backends.triton_backend.forward_stats``) can choose on a GPU of
     ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
     # store, logit sum, bias, cap, scaled, extra stats (never with the logit sum: the token

@@ -1,7 +1,7 @@
 """DeepSpeed plug-in: train a model whose LM head is a :class:`VocabParallelLMHead`.
 
     from vocab_parallel.integrations import deepspeed as vp_deepspeed
-    from vocab_parallel.parallel import init_parallel_groups
+    from vocab_parallel.parallel.groups import init_parallel_groups
 
     vp_deepspeed.init_distributed()                    # nccl on GPUs, gloo on CPUs
     groups = init_parallel_groups(tp_size=2)           # TP groups x DP groups
@@ -13,7 +13,7 @@
 
 What DeepSpeed needs from us, and why:
 
-* **The mpu** (:class:`~vocab_parallel.parallel.ModelParallelUnit`). Without it DeepSpeed
+* **The mpu** (:class:`~vocab_parallel.parallel.groups.ModelParallelUnit`). Without it DeepSpeed
   takes every rank for a data-parallel replica: it would average gradients (and ZeRO
   partition state) over the whole world, averaging one TP rank's head rows with another
   rank's different rows. With it, gradients are averaged and ZeRO partitions over the
@@ -49,7 +49,7 @@ from torch import nn
 
 from vocab_parallel.integrations.heads import AUTOTP_OPTION, head_from_autotp
 from vocab_parallel.lm_head import VocabParallelLMHead
-from vocab_parallel.parallel import ModelParallelUnit, ParallelGroups
+from vocab_parallel.parallel.groups import ModelParallelUnit, ParallelGroups
 
 # head_from_autotp lives with the other layer adapters (integrations/heads.py); it is part
 # of this integration's API.
@@ -125,7 +125,7 @@ def initialize(
 
     Args:
         model: the model; its heads use ``groups.tp_group``.
-        groups: from :func:`vocab_parallel.parallel.init_parallel_groups`.
+        groups: from :func:`vocab_parallel.parallel.groups.init_parallel_groups`.
         config: a DeepSpeed config (dict, or path to a JSON/HJSON file); not modified.
         optimizer: a torch optimizer over ``model.parameters()``, or ``None`` to let the
             config's ``"optimizer"`` section build one. Given a torch optimizer, the config

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.integrations.torch_tp import DTensorLMHead, head_from_colwise
 from vocab_parallel.lm_head import VocabParallelLMHead
-from vocab_parallel.sharded import full_shape, unshard_fsdp_module
+from vocab_parallel.parallel.dtensor import is_dtensor
+from vocab_parallel.parallel.sharded import full_shape, unshard_fsdp_module
 
 
 def head_from_layer(layer: nn.Module, **loss_options: Any) -> VocabParallelLMHead:
@@ -35,7 +35,7 @@ def head_from_layer(layer: nn.Module, **loss_options: Any) -> VocabParallelLMHea
     An FSDP2 module of its own (``fully_shard(lm_head)``) is unsharded first (call this
     inside the model's forward then): the head is built on its whole parameters, and the
     loss does not run the layer's forward, where FSDP2 would gather them
-    (:func:`vocab_parallel.sharded.unshard_fsdp_module`). Our own head used as it is needs
+    (:func:`vocab_parallel.parallel.sharded.unshard_fsdp_module`). Our own head used as it is needs
     none of that: called as a module, FSDP2 gathers it for its forward.
     """
     if isinstance(layer, VocabParallelLMHead) and _keeps_options(layer, loss_options):
@@ -132,7 +132,7 @@ def head_from_autotp(layer: nn.Module, **loss_options) -> VocabParallelLMHead:
             head.
         ValueError: a weight that does not match the layer's rows, an AutoTP shard
             partitioned by ZeRO stage 3, or a bias where the loss takes none. (A plain
-            ``nn.Linear`` under ZeRO-3 is fine: see ``vocab_parallel.sharded``.)
+            ``nn.Linear`` under ZeRO-3 is fine: see ``vocab_parallel.parallel.sharded``.)
     """
     fields = ("vocab_size", "vocab_start_index", "vocab_end_index", "mp_group")
     missing = [a for a in ("weight", *fields) if not hasattr(layer, a)]

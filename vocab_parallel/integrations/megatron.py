@@ -16,7 +16,7 @@ tied, else None), ``labels [b, s]``, ``loss_mask [b, s]``, ``config`` and a few 
 its return value is what the model returns. :class:`VocabParallelOutputProcessor` returns
 what the model returns without it: with labels, ``compute_language_model_loss``'s per-token
 fp32 losses ``[b, s]`` (the training loop's ``loss_func`` then multiplies by ``loss_mask``
-and sums, as before), computed by :func:`vocab_parallel.run_loss` from the hidden states
+and sums, as before), computed by :func:`vocab_parallel.loss.run_loss` from the hidden states
 and the weight shard; without labels, the logits of the output layer.
 
 Why the result equals Megatron's (``tests/test_megatron.py`` checks loss and every
@@ -31,7 +31,8 @@ gradient within 1e-6 in fp32):
   (``copy_to_tensor_model_parallel_region``'s backward, or the sequence-parallel
   reduce-scatter) does not run as well.
 * **Sequence parallelism** (``output_layer.sequence_parallel``): the ranks' token slices are
-  all-gathered (``vocab_parallel.sequence_parallel.gather_tokens``), every rank computes the
+  all-gathered (``vocab_parallel.parallel.sequence_parallel.gather_tokens``), every rank
+  computes the
   losses of all ``s`` positions (Megatron's ``[b, s]`` is complete on every rank), and the
   gradient of each rank's slice is its rows of the (already reduced) gathered gradient.
 * **loss_mask**: positions where it is 0 become ``ignore_index`` (loss 0, no gradient);
@@ -66,10 +67,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vocab_parallel import sequence_parallel as _sp
-from vocab_parallel.distributed import all_reduce, world_size
 from vocab_parallel.loss import run_loss
 from vocab_parallel.options import LAYOUT_OPTIONS, LossOptions, loss_options
+from vocab_parallel.parallel import sequence_parallel as _sp
+from vocab_parallel.parallel.collectives import all_reduce, world_size
 
 __all__ = [
     "VocabParallelOutputProcessor",

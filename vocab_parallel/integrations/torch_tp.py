@@ -3,7 +3,7 @@
 
 ``head_from_colwise(model.output)`` gives a :class:`DTensorLMHead` that holds the very
 DTensor parameters of the projection (no copy); the loss unwraps them
-(``vocab_parallel.dtensor``). ``torch.distributed.tensor`` is imported only when used.
+(``vocab_parallel.parallel.dtensor``). ``torch.distributed.tensor`` is imported only when used.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vocab_parallel.dtensor import is_dtensor, weight_shard
 from vocab_parallel.lm_head import VocabParallelLMHead
+from vocab_parallel.parallel.dtensor import is_dtensor, weight_shard
 
 
 class DTensorLMHead(VocabParallelLMHead):
@@ -52,7 +52,7 @@ def head_from_colwise(linear: nn.Linear, **loss_options: Any) -> DTensorLMHead:
         loss = model.output(hidden, labels)    # instead of F.cross_entropy(model.output(h), ..)
 
     The head runs none of ``ColwiseParallel``'s input/output hooks: ``hidden`` may be a
-    plain tensor or a DTensor, as ``vocab_parallel.dtensor.unwrap_inputs`` describes.
+    plain tensor or a DTensor, as ``vocab_parallel.parallel.dtensor.unwrap_inputs`` describes.
     """
     weight = getattr(linear, "weight", None)
     if not is_dtensor(weight) or not isinstance(weight, nn.Parameter):

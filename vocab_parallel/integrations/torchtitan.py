@@ -11,13 +11,13 @@ torchtitan 0.3's trainer hands a ``ChunkedLossWrapper`` (``components/loss.py``)
 expects ``(loss, metrics)``, the loss being this rank's SUM of token losses divided by the
 valid tokens of the whole step (``global_valid_tokens``, over the data-parallel ranks and
 micro-batches). :class:`VocabParallelLossWrapper` is a ``ChunkedLossWrapper`` (so the
-trainer wires it the same way) whose call runs :func:`vocab_parallel.run_loss` on those
+trainer wires it the same way) whose call runs :func:`vocab_parallel.loss.run_loss` on those
 hidden states and ``lm_head``'s weight instead of chunks of logits:
 
 * **Tensor parallelism**: ``lm_head`` is ``ColwiseParallel``: its weight a ``Shard(0)``
   DTensor over the ``tp`` mesh (uneven DTensor chunks allowed), the hidden states a
   ``Replicate()`` DTensor (the root norm all-gathers sequence-parallel states), as
-  ``vocab_parallel.dtensor`` reads them. The loss all-reduces the gradient of the hidden
+  ``vocab_parallel.parallel.dtensor`` reads them. The loss all-reduces the gradient of the hidden
   states, so it arrives complete, as the ``Replicate()`` placement says.
 * **FSDP2** (``lm_head`` an ``FSDPModule``, grouped with the root norm): the loss
   unshards it (its weight is then the tensor-parallel DTensor) and leaves the rest to
@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.loss import run_loss
 from vocab_parallel.options import LossOptions
+from vocab_parallel.parallel.dtensor import is_dtensor
 
 __all__ = ["VocabParallelLossWrapper", "lm_head_loss"]  # noqa: F822 (made lazily, below)
 
@@ -96,7 +96,7 @@ def lm_head_loss(
             f"({lm_head.out_features}): a shard of the vocabulary whose place nothing states. "
             "Give the Shard(0) DTensor weight of ColwiseParallel (torchtitan: "
             "parallelism.spmd_backend='partial_dtensor'), or call the loss with the shard's "
-            "process_group and layout (vocab_parallel.run_loss)"
+            "process_group and layout (vocab_parallel.loss.run_loss)"
         )
     bias = getattr(lm_head, "bias", None)
     if bias is not None:

@@ -108,11 +108,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from vocab_parallel.distributed import all_reduce, group_ranks, world_size
-from vocab_parallel.dtensor import is_dtensor
 from vocab_parallel.integrations.heads import head_from_layer, layer_group
 from vocab_parallel.lm_head import VocabParallelLMHead, head_options
-from vocab_parallel.sharded import is_fsdp_module, unshard_fsdp_module
+from vocab_parallel.parallel.collectives import all_reduce, group_ranks, world_size
+from vocab_parallel.parallel.dtensor import is_dtensor
+from vocab_parallel.parallel.sharded import is_fsdp_module, unshard_fsdp_module
 
 _STATE = "_vocab_parallel_loss"  # the patch's state in the model's __dict__
 
@@ -294,7 +294,7 @@ def _model_options(model: nn.Module, options: dict[str, Any]) -> dict[str, Any]:
 def _current_head(model: nn.Module, patch: _Patch, in_forward: bool = False) -> VocabParallelLMHead:
     """Our head on the model's output layer as it is now (cached while it stays the same).
     ``in_forward``: an output layer that is an FSDP2 module of its own is unsharded first
-    (``vocab_parallel.sharded.unshard_fsdp_module``)."""
+    (``vocab_parallel.parallel.sharded.unshard_fsdp_module``)."""
     layer = model.get_output_embeddings()
     if in_forward and not isinstance(layer, VocabParallelLMHead):  # ours: called, gathered
         unshard_fsdp_module(layer)

@@ -2,10 +2,10 @@
 
 A backend computes one vocabulary shard's share of the loss: the local forward statistics,
 the fused backward and chunks of logits (``docs/design.md``, "Backends"). Two implement
-:class:`Backend`: ``"torch"`` (``vocab_parallel.torch_backend``: chunked PyTorch, the CPU
-path) and ``"triton"`` (``vocab_parallel.triton_backend``, the launchers of the Triton
+:class:`Backend`: ``"torch"`` (``vocab_parallel.backends.torch_backend``: chunked PyTorch, the CPU
+path) and ``"triton"`` (``vocab_parallel.backends.triton_backend``, the launchers of the Triton
 kernels in ``vocab_parallel.kernels``: CUDA or the interpreter); the registry that picks one
-is ``vocab_parallel.backend``. Both take their inputs validated, and know nothing of
+is ``vocab_parallel.backends.registry``. Both take their inputs validated, and know nothing of
 torch.distributed, reductions or modes.
 
 Per row ``i`` and shard column ``j`` (``t_i``: the row's local target column, -1 when its
@@ -22,7 +22,7 @@ tanh(r / c)`` for ``softcap`` c (else the identity), ``cap'`` its derivative. Th
 max)`` is ``p_j log p_j`` up to a per-row constant, which ``prob_scale`` carries
 (``vocab_parallel.token_stats``). ``G`` is
 rounded to the input dtype once; ``grad_input = G @ W``, ``grad_weight = G.T @ x``,
-``grad_bias = G.sum(0)``, accumulated in fp32 (``vocab_parallel.precision``).
+``grad_bias = G.sum(0)``, accumulated in fp32 (``vocab_parallel.engine.precision``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from vocab_parallel.filtering import GradientFilter
+    from vocab_parallel.engine.filtering import GradientFilter
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,7 +87,7 @@ class Outputs:
     (``mode="grad_in_forward"`` walks the tokens in chunks): ``grad_input_out`` receives
     ``grad_input`` (fp32); ``grad_weight_acc`` and ``grad_bias_acc`` get the products
     added, or written when ``accumulate`` is False (the first chunk). ``filter``: the
-    tiles of ``G`` the products may leave out (``vocab_parallel.filtering``; None: exact).
+    tiles of ``G`` the products may leave out (``vocab_parallel.engine.filtering``; None: exact).
     """
 
     need_input: bool = True
@@ -139,9 +139,9 @@ class Backend(Protocol):
 
     ``distill``: an optional capability, the launchers of fused distillation kernels (a
     dense teacher's two heads in one kernel: ``distill_stats``, ``jsd_sums`` and
-    ``divergence_gradient`` of ``vocab_parallel.triton_distill``), or None where the
+    ``divergence_gradient`` of ``vocab_parallel.backends.triton_distill``), or None where the
     backend has none (the torch backend: distillation walks :meth:`chunk_logits`' chunks,
-    ``vocab_parallel.distill_stats``)."""
+    ``vocab_parallel.objectives.distill``)."""
 
     name: str
     distill: object | None

@@ -60,7 +60,7 @@ def check_items_counted(num_items_in_batch: Any, target: torch.Tensor, ignore_in
     """Raise ``ValueError`` naming ``num_items_in_batch`` for a count of 0 where ``target``
     (the call's flattened targets, the group's under sequence parallelism) has tokens that
     count. A tensor on a GPU (or targets there) is checked on the device, with a
-    device-side assertion (as the target ids are: ``vocab_parallel.checks``), its whole
+    device-side assertion (as the target ids are: ``vocab_parallel.parallel.checks``), its whole
     rule (:func:`check_num_items_in_batch`) at once: no wait for the device."""
     n = num_items_in_batch
     on_device = isinstance(n, torch.Tensor) and n.device.type != "cpu"

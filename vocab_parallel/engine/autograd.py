@@ -1,8 +1,9 @@
 """The autograd Function of the loss in memory-saving and high-performance modes.
 
 Forward: this rank's statistics (the backend), their all-reduces and the per-token losses
-(``vocab_parallel.stats``, where the math is); backward: the fused operator of the backend
-with this call's :class:`~vocab_parallel.backend.GradTerms`, then one fp32 SUM
+(``vocab_parallel.objectives.cross_entropy``, where the math is); backward: the fused operator
+of the backend
+with this call's :class:`~vocab_parallel.backends.interface.GradTerms`, then one fp32 SUM
 all-reduce of ``grad_input`` (``docs/design.md``, "Modes"). ``grad_weight`` and
 ``grad_bias = G.sum(0)`` stay local. Only the gradients autograd asks for are computed (a
 frozen weight costs no ``[V, H]`` GEMM; a hidden that needs no gradient costs no GEMM and
@@ -12,11 +13,11 @@ fp32 softmax, or with softcap the fp32 capped logits ``z`` (the cap's derivative
 them; the softmax follows from ``z`` and the statistics).
 
 Autocast is switched off inside (the inputs arrive already cast by the loss, as
-``F.linear`` would cast them): every product follows ``vocab_parallel.precision``.
+``F.linear`` would cast them): every product follows ``vocab_parallel.engine.precision``.
 Float64 inputs are computed in float64 throughout (loss, statistics and ``G``).
 
 Inputs arrive validated (``vocab_parallel.loss``); this layer knows nothing of tiling:
-the backends do (``vocab_parallel.backend``).
+the backends do (``vocab_parallel.backends.registry``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ import contextlib
 
 import torch
 
-from vocab_parallel import precision
-from vocab_parallel.backend import get_backend
-from vocab_parallel.distributed import all_reduce, world_size
-from vocab_parallel.filtering import GradientFilter
-from vocab_parallel.interface import Grads, Outputs
-from vocab_parallel.stats import (
+from vocab_parallel.backends.interface import Grads, Outputs
+from vocab_parallel.backends.registry import get_backend
+from vocab_parallel.engine import precision
+from vocab_parallel.engine.filtering import GradientFilter
+from vocab_parallel.objectives.cross_entropy import (
     Call,
     RowStats,
     forward_stats,
@@ -38,6 +38,7 @@ from vocab_parallel.stats import (
     local_targets,
     reduce_statistics,
 )
+from vocab_parallel.parallel.collectives import all_reduce, world_size
 
 DOUBLE_BACKWARD_ERROR = (
     "vocab_parallel_linear_cross_entropy: double backward is not supported (its backward "
@@ -124,7 +125,7 @@ def shard_gradients(
     """This rank's gradients of these tokens, before any all-reduce: the backend's fused
     backward with this call's terms. ``need``: of hidden, weight, bias; ``source``: where
     the softmax comes from (``softmax=``, ``logits=``, ``reuse_logits=``); ``buffers``: the
-    accumulate-into fields of :class:`~vocab_parallel.backend.Outputs`."""
+    accumulate-into fields of :class:`~vocab_parallel.backends.interface.Outputs`."""
     tp = world_size(call.process_group) > 1
     accum = precision.accumulate_dtype(hidden.dtype)
     buffers.setdefault("grad_input_dtype", accum if tp else None)

@@ -1,19 +1,19 @@
 """The Triton backend: the launchers of the kernels in ``vocab_parallel.kernels``.
 
-It implements :class:`vocab_parallel.interface.Backend` on CUDA tensors, or on CPU tensors
+It implements :class:`vocab_parallel.backends.interface.Backend` on CUDA tensors, or on CPU tensors
 under Triton's interpreter (``TRITON_INTERPRET=1``; the registry,
-``vocab_parallel.backend``, refuses anything else). Each launcher takes its inputs
+``vocab_parallel.backends.registry``, refuses anything else). Each launcher takes its inputs
 validated (the public operator validates), picks its kernel's tile for the device
 (``vocab_parallel.kernels.common.tile_config``) and the grid, allocates, launches, and
 merges the kernel's partial results; it knows nothing of torch.distributed. The kernels
 (``kernels/src/``, installed as ``vocab_parallel.kernels``) import nothing of the library.
-The launchers of the fused distillation kernels are ``vocab_parallel.triton_distill``
+The launchers of the fused distillation kernels are ``vocab_parallel.backends.triton_distill``
 (this backend's ``distill``).
 
 :func:`fused_backward` launches one chunk of ``G`` at a time (``CV`` columns); the two
 gradient GEMMs are what cuBLAS does best: they go through torch (fp32 outputs,
-``vocab_parallel.precision``) in the chunk loop shared with the torch backend
-(``vocab_parallel.chunking.gradient_products``): ``grad_input`` accumulates each chunk's
+``vocab_parallel.engine.precision``) in the chunk loop shared with the torch backend
+(``vocab_parallel.engine.chunking.gradient_products``): ``grad_input`` accumulates each chunk's
 ``G_c @ W_c`` in fp32, ``grad_weight[v0:v0+CV] = G_c.T @ x``. Under Triton's interpreter
 the same loop runs the same torch calls on CPU tensors. Chunks are visited in a fixed
 order and the statistics' splits merged in a fixed order: results are bitwise
@@ -29,9 +29,9 @@ from collections.abc import Callable
 import torch
 import triton
 
-from vocab_parallel import memory
-from vocab_parallel.chunking import gradient_products
-from vocab_parallel.interface import PLAIN, Grads, GradTerms, LocalStats, Logits, Outputs
+from vocab_parallel.backends.interface import PLAIN, Grads, GradTerms, LocalStats, Logits, Outputs
+from vocab_parallel.engine import memory_policy as memory
+from vocab_parallel.engine.chunking import gradient_products
 from vocab_parallel.kernels import backward, forward
 from vocab_parallel.kernels.common import interpreting, tile_config
 
@@ -93,7 +93,7 @@ def forward_stats(
     extra_stats: bool = False,
 ) -> LocalStats:
     """:class:`LocalStats` of ``z = cap(x @ W.T + bias) / T``, each fp32 ``[BT]``
-    (``vocab_parallel.interface.Backend.forward_stats``).
+    (``vocab_parallel.backends.interface.Backend.forward_stats``).
 
     ``local_target`` is int64 ``[BT]``, -1 where the row's target is not on this shard.
     ``logits_out``, if given, is an fp32 ``[BT, V]`` buffer that receives ``z``.
@@ -154,7 +154,7 @@ def fused_backward(
     terms: GradTerms,
     out: Outputs,
 ) -> Grads:
-    """:class:`Grads` of ``G`` (``vocab_parallel.interface.Backend.fused_backward``) over
+    """:class:`Grads` of ``G`` (``vocab_parallel.backends.interface.Backend.fused_backward``) over
     vocabulary chunks; inputs are already validated. ``terms.reuse_logits`` changes
     nothing here (``G`` has its own buffer in the input dtype)."""
     bt, h = x.shape
@@ -238,7 +238,7 @@ def chunk_logits(
     dtype: torch.dtype | None = None,
 ) -> Callable[..., torch.Tensor]:
     """``make(v0, v1, out=None)``: ``z`` of the shard's columns ``[v0, v1)``
-    (``vocab_parallel.interface.Backend.chunk_logits``), fp32, into ``out`` (fp32 ``[BT,
+    (``vocab_parallel.backends.interface.Backend.chunk_logits``), fp32, into ``out`` (fp32 ``[BT,
     v1 - v0]``) when given: :func:`forward_stats` with its logits written out (its
     statistics are not used), the tile products and the cap in Triton."""
     if dtype not in (None, torch.float32):

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from vocab_parallel.distributed import group_ranks
 from vocab_parallel.options import LossOptions
+from vocab_parallel.parallel.collectives import group_ranks
 
 _MODULE = "torch.distributed.tensor"
 

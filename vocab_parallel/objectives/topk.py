@@ -22,10 +22,11 @@ import dataclasses
 
 import torch
 
-from vocab_parallel import memory, precision
-from vocab_parallel.backend import get_backend
-from vocab_parallel.distributed import all_gather
-from vocab_parallel.interface import LocalStats
+from vocab_parallel.backends.interface import LocalStats
+from vocab_parallel.backends.registry import get_backend
+from vocab_parallel.engine import memory_policy as memory
+from vocab_parallel.engine import precision
+from vocab_parallel.parallel.collectives import all_gather
 
 # The id of a padding candidate: above any vocabulary, exact in the float64 exchange.
 PAD_ID = 1 << 52
@@ -102,7 +103,7 @@ def shard_candidates(
 ) -> tuple[LocalStats, torch.Tensor, torch.Tensor]:
     """This shard's :class:`LocalStats` and its ``k`` best ``(values, global ids)`` in one
     pass over column chunks of the backend (``logits``: the call's
-    :class:`~vocab_parallel.interface.Logits`; ``first_id``: the shard's first global id).
+    :class:`~vocab_parallel.backends.interface.Logits`; ``first_id``: the shard's first global id).
     ``logits_out`` (``[BT, V]``): keep every chunk there (high-performance mode) instead of
     one reused chunk buffer."""
     run = get_backend(backend)

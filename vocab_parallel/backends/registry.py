@@ -1,9 +1,9 @@
-"""The registry of backends: which implementation of ``vocab_parallel.interface.Backend``
+"""The registry of backends: which implementation of ``vocab_parallel.backends.interface.Backend``
 runs a call (``docs/design.md``, "Backends").
 
-``"torch"`` is ``vocab_parallel.torch_backend`` (chunked PyTorch, the CPU path);
-``"triton"`` is ``vocab_parallel.triton_backend`` (the launchers of the Triton kernels,
-on CUDA or under the interpreter; its ``distill``: ``vocab_parallel.triton_distill``);
+``"torch"`` is ``vocab_parallel.backends.torch_backend`` (chunked PyTorch, the CPU path);
+``"triton"`` is ``vocab_parallel.backends.triton_backend`` (the launchers of the Triton kernels,
+on CUDA or under the interpreter; its ``distill``: ``vocab_parallel.backends.triton_distill``);
 ``"auto"`` picks Triton on CUDA. Backends are imported when first asked for. Only this
 registry and the options compare backend names: everything else asks the backend.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vocab_parallel.interface import Backend
+from vocab_parallel.backends.interface import Backend
 from vocab_parallel.options import check_backend_name
 
 
@@ -36,14 +36,14 @@ class _Functions:
 def get_backend(name: str) -> Backend:
     """The resolved backend ``name`` (``"torch"`` or ``"triton"``)."""
     if name == "triton":
-        from vocab_parallel import triton_backend as tb
-        from vocab_parallel import triton_distill
+        from vocab_parallel.backends import triton_backend as tb
+        from vocab_parallel.backends import triton_distill
 
         return _Functions(
             "triton", tb.forward_stats, tb.fused_backward, tb.chunk_logits, triton_distill
         )
     if name == "torch":
-        from vocab_parallel import torch_backend as tb
+        from vocab_parallel.backends import torch_backend as tb
 
         return _Functions("torch", tb.forward_stats, tb.fused_backward, tb.chunk_logits)
     raise ValueError(f"backend: expected 'torch' or 'triton', got {name!r}")

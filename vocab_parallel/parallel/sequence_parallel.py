@@ -20,7 +20,7 @@ With ``reduction="none"`` a rank's per-token losses are those of its own tokens
 ``[N]``), since every rank's vocabulary rows need the gradient of every token.
 
 Every collective that fails raises a ``RuntimeError`` naming the payload and the ranks,
-as :mod:`vocab_parallel.distributed` does; ranks that disagree about the hidden size,
+as :mod:`vocab_parallel.parallel.collectives` does; ranks that disagree about the hidden size,
 dtype or whether a gradient is wanted raise the same ``ValueError`` on every rank,
 before any large collective.
 """
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from vocab_parallel.distributed import CollectiveError, all_reduce, group_ranks, world_size
+from vocab_parallel.parallel.collectives import CollectiveError, all_reduce, group_ranks, world_size
 
 # Codes of the dtypes in the size exchange (ranks must agree on the dtype of hidden).
 _DTYPE_CODES = {

@@ -1,10 +1,10 @@
 """Chunked pure-PyTorch backend: the fast path on CPUs, same semantics as the kernels.
 
-It implements :class:`vocab_parallel.interface.Backend` (the math is there) by walking the
+It implements :class:`vocab_parallel.backends.interface.Backend` (the math is there) by walking the
 vocabulary in chunks, so its extra memory is one ``[BT, CV]`` chunk (two of half the
 columns with ``softcap``) and a ``[BT, H]`` fp32 accumulator, never ``[BT, V]``. The two
-gradient GEMMs of each chunk are the shared loop of ``vocab_parallel.chunking``; every
-product follows ``vocab_parallel.precision``.
+gradient GEMMs of each chunk are the shared loop of ``vocab_parallel.engine.chunking``; every
+product follows ``vocab_parallel.engine.precision``.
 
 The softmax is formed in the order of the original operator, ``exp(z - max) / sum``
 (``docs/design.md``, "The operator"): given statistics smaller than the true ones then
@@ -17,9 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from vocab_parallel import memory, precision
-from vocab_parallel.chunking import gradient_products
-from vocab_parallel.interface import PLAIN, Grads, GradTerms, LocalStats, Logits, Outputs
+from vocab_parallel.backends.interface import PLAIN, Grads, GradTerms, LocalStats, Logits, Outputs
+from vocab_parallel.engine import memory_policy as memory
+from vocab_parallel.engine import precision
+from vocab_parallel.engine.chunking import gradient_products
 
 
 def cap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -51,7 +52,7 @@ def chunk_logits(
     dtype: torch.dtype | None = None,
 ) -> Callable[..., torch.Tensor]:
     """``make(v0, v1, out=None)``: ``z`` of the shard's columns ``[v0, v1)``
-    (``vocab_parallel.interface.Backend.chunk_logits``): :func:`linear_logits` in fp32
+    (``vocab_parallel.backends.interface.Backend.chunk_logits``): :func:`linear_logits` in fp32
     (float64 for float64 inputs; into ``out`` when given), in ``dtype`` (None: as it is),
     capped and tempered there. ``x`` is cast to the products' operand dtype once."""
     operand = precision.operand_dtype(x.dtype, x.device.type)
@@ -86,7 +87,7 @@ def fused_backward(
     terms: GradTerms,
     out: Outputs,
 ) -> Grads:
-    """:class:`Grads` of ``G`` (``vocab_parallel.backend``) over vocabulary chunks.
+    """:class:`Grads` of ``G`` (``vocab_parallel.backends.registry``) over vocabulary chunks.
 
     ``terms.reuse_logits``: ``G`` may be computed in place in the saved fp32 ``logits``
     (which are then lost): no copy of a chunk.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vocab_parallel.distributed import all_reduce, group_ranks, world_size
+from vocab_parallel.parallel.collectives import all_reduce, group_ranks, world_size
 
 
 def shard_bounds(vocab: int, world: int) -> list[tuple[int, int]]:

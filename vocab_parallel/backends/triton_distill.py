@@ -1,12 +1,13 @@
 """The launchers of the fused distillation kernels (``vocab_parallel.kernels.distill``,
-whose docstring has the math): the Triton backend's ``distill`` (``vocab_parallel.backend``).
+whose docstring has the math): the Triton backend's ``distill``
+(``vocab_parallel.backends.registry``).
 
-``vocab_parallel.distill_stats`` calls them where a dense teacher's two heads run in one
+``vocab_parallel.objectives.distill`` calls them where a dense teacher's two heads run in one
 kernel (``fused_statistics`` there): :func:`distill_stats` (the forward statistics of both
 heads), :func:`jsd_sums` (the JSD's second pass) and :func:`divergence_gradient` (the
 divergence's ``G``, chunk by chunk, for the shared chunk loop's two torch GEMMs). Each
 checks what the kernels cannot (one dtype for both heads, matching shapes), picks the tile
-and grid (``vocab_parallel.triton_backend``'s device helpers), allocates, launches, and
+and grid (``vocab_parallel.backends.triton_backend``'s device helpers), allocates, launches, and
 merges the splits' partial sums in split order (deterministic). Nothing here knows
 torch.distributed: cross-rank reduction is the caller's.
 """
@@ -19,9 +20,9 @@ from typing import NamedTuple
 import torch
 import triton
 
+from vocab_parallel.backends.triton_backend import device_capability, full_vector, num_splits
 from vocab_parallel.kernels import distill
 from vocab_parallel.kernels.common import TileConfig, tile_config
-from vocab_parallel.triton_backend import device_capability, full_vector, num_splits
 
 # The start of every running maximum: the most negative finite fp32 (as the torch path).
 LOWEST = torch.finfo(torch.float32).min
@@ -253,7 +254,7 @@ def divergence_gradient(
     local_target: torch.Tensor | None = None,
     chunk_columns: int,
 ):
-    """``make_g(v0, v1, x_op, w_op)`` of ``vocab_parallel.chunking.gradient_products``:
+    """``make_g(v0, v1, x_op, w_op)`` of ``vocab_parallel.engine.chunking.gradient_products``:
     the dense divergence's ``G[:, v0:v1]`` in the input dtype, from both heads' tiles
     recomputed in registers (:func:`distill_stats`' heads and cap; the reduced
     normalisers ``ls``, ``lt`` fp32 ``[BT]``):

@@ -3,7 +3,7 @@
 Both backends produce ``G`` one vocabulary chunk at a time (the torch backend with torch
 ops, the Triton backend with its fused kernel) and hand each chunk to
 :func:`gradient_products`, which multiplies it out: ``grad_input += G_c @ W_c`` and
-``grad_weight[v0:v1] = G_c.T @ x``, every product through ``vocab_parallel.precision``
+``grad_weight[v0:v1] = G_c.T @ x``, every product through ``vocab_parallel.engine.precision``
 (fp32 accumulation and fp32 results on every device; float64 for float64 inputs). A
 fixed chunk order and plain GEMMs make the results bitwise deterministic
 (``docs/design.md``, "Backends").
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vocab_parallel import filtering, precision
-from vocab_parallel.interface import Grads, Outputs
+from vocab_parallel.backends.interface import Grads, Outputs
+from vocab_parallel.engine import filtering, precision
 
 # make_g(v0, v1, x_op, w_op) -> G[:, v0:v1], fp32 or x.dtype (rounded by the loop).
 MakeG = Callable[[int, int, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
@@ -47,13 +47,13 @@ def gradient_products(
     With ``out.need_bias``: ``grad_bias = G.sum(0)`` ``[V]``, the same rounded ``G``
     summed in fp32, in ``bias_grad_dtype`` (default the input dtype).
 
-    ``out`` (:class:`vocab_parallel.backend.Outputs`) says which gradients are wanted and
+    ``out`` (:class:`vocab_parallel.backends.interface.Outputs`) says which gradients are wanted and
     holds the caller's buffers (``grad_input`` written into ``grad_input_out``; products
     added to ``grad_weight_acc`` / ``grad_bias_acc``, or written when not
     ``accumulate``), each returned in place of the gradient it holds.
 
     With ``out.filter`` the products leave out the chunk's negligible tiles of ``G``
-    (``vocab_parallel.filtering``); ``grad_bias`` is never filtered.
+    (``vocab_parallel.engine.filtering``); ``grad_bias`` is never filtered.
     """
     bt, h = x.shape
     v = weight.shape[0]

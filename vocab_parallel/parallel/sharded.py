@@ -26,7 +26,7 @@ import sys
 import torch
 from torch import nn
 
-from vocab_parallel.dtensor import is_dtensor
+from vocab_parallel.parallel.dtensor import is_dtensor
 
 ZERO3_FIX = (
     "ZeRO-3 gathers a parameter only inside the forward of the module that owns it or of a "

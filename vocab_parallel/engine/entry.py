@@ -1,12 +1,13 @@
 """What every public entry does before its autograd Function: :func:`prepare_call`.
 
 The loss, its module, the LM head, the integrations and the token statistics all take
-their tensors through here: DTensor inputs unwrapped (``vocab_parallel.dtensor``), the
+their tensors through here: DTensor inputs unwrapped (``vocab_parallel.parallel.dtensor``), the
 tensors cast as ``F.linear`` would under autocast, validated (every message starts with
-the parameter's name), the ranks' agreement checked (``vocab_parallel.agreement``), the
+the parameter's name), the ranks' agreement checked (``vocab_parallel.parallel.agreement``), the
 tokens of the group gathered under sequence parallelism, the shard layout resolved and
-the target ids checked (``vocab_parallel.layout``, ``vocab_parallel.checks``). What comes
-out is one :class:`~vocab_parallel.stats.Call` and the flattened tensors
+the target ids checked (``vocab_parallel.parallel.layout``,
+``vocab_parallel.parallel.checks``). What comes
+out is one :class:`~vocab_parallel.objectives.cross_entropy.Call` and the flattened tensors
 (``docs/design.md``, "One seam").
 """
 
@@ -18,18 +19,18 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from vocab_parallel import precision
-from vocab_parallel import sequence_parallel as _sp
-from vocab_parallel.agreement import check_agreement, fingerprint, objective_row
-from vocab_parallel.backend import resolve_backend
-from vocab_parallel.checks import check_member, check_targets
-from vocab_parallel.distributed import world_size
-from vocab_parallel.layout import resolve_layout
-from vocab_parallel.objective import Objective
+from vocab_parallel.backends.registry import resolve_backend
+from vocab_parallel.engine import precision
+from vocab_parallel.engine.objective import Objective
+from vocab_parallel.engine.reduction import check_items_counted, check_num_items_in_batch
+from vocab_parallel.objectives.cross_entropy import Call
 from vocab_parallel.options import LossOptions, PendingOptions, given_option, made
-from vocab_parallel.reduction import check_items_counted, check_num_items_in_batch
-from vocab_parallel.sharded import check_gathered
-from vocab_parallel.stats import Call
+from vocab_parallel.parallel import sequence_parallel as _sp
+from vocab_parallel.parallel.agreement import check_agreement, fingerprint, objective_row
+from vocab_parallel.parallel.checks import check_member, check_targets
+from vocab_parallel.parallel.collectives import world_size
+from vocab_parallel.parallel.layout import resolve_layout
+from vocab_parallel.parallel.sharded import check_gathered
 
 
 class Prepared(NamedTuple):
@@ -180,8 +181,9 @@ def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items
                 f"reduction: {opts.reduction!r} cannot be combined with num_items_in_batch "
                 "(the loss is then the sum divided by num_items_in_batch); pass 'sum'"
             )
-    if "torch.distributed.tensor" in sys.modules:  # DTensor inputs (vocab_parallel.dtensor)
-        from vocab_parallel.dtensor import unwrap_inputs
+    # DTensor inputs (vocab_parallel.parallel.dtensor)
+    if "torch.distributed.tensor" in sys.modules:
+        from vocab_parallel.parallel.dtensor import unwrap_inputs
 
         hidden, weight, target, opts, process_group = unwrap_inputs(
             hidden, weight, target, opts, process_group
@@ -201,9 +203,9 @@ def _prepare(hidden, weight, target, opts: LossOptions, process_group, num_items
 
 def _told(process_group, weight):
     """The group told of a refusal: ``process_group``, else the mesh's group of a DTensor
-    ``weight`` on a 1-D mesh (the group its call uses: ``vocab_parallel.dtensor``)."""
+    ``weight`` on a 1-D mesh (the group its call uses: ``vocab_parallel.parallel.dtensor``)."""
     if process_group is None and "torch.distributed.tensor" in sys.modules:
-        from vocab_parallel.dtensor import is_dtensor
+        from vocab_parallel.parallel.dtensor import is_dtensor
 
         if is_dtensor(weight) and weight.device_mesh.ndim == 1:
             return weight.device_mesh.get_group()
@@ -224,11 +226,11 @@ def prepare_call(
 
     ``opts``: the options, or :class:`~vocab_parallel.options.PendingOptions` made here, in
     the guarded step below (an entry that builds its options from the user's values passes
-    them so). ``objective`` (:class:`~vocab_parallel.objective.Objective`): its own
+    them so). ``objective`` (:class:`~vocab_parallel.engine.objective.Objective`): its own
     checks, run in the guarded step like the others (what it validates it keeps), its own
     entries of the ranks' agreement, its checks once the layout is known, its mode. With
     ``check_inputs`` the ranks of the group first compare what must agree
-    (``vocab_parallel.agreement``): a difference, or arguments refused on one rank, raise
+    (``vocab_parallel.parallel.agreement``): a difference, or arguments refused on one rank, raise
     on every rank alike before any collective whose size depends on the inputs."""
     check_member(process_group)
     # Known before the options are made: any value but False tells the others of a refusal

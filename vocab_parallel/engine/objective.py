@@ -2,7 +2,7 @@
 engine").
 
 The cross entropy, the token statistics and distillation each hand
-:func:`vocab_parallel.entry.prepare_call` one :class:`Objective`: its name, its own checks
+:func:`vocab_parallel.engine.entry.prepare_call` one :class:`Objective`: its name, its own checks
 (made in the entry's guarded step, so that a value refused on one rank raises on every
 rank: its validated request is kept on the objective), its own entries of the ranks'
 agreement, what it checks and prepares once the call is (the layout known, the tokens
@@ -20,8 +20,8 @@ import torch
 from vocab_parallel.options import LossOptions
 
 if TYPE_CHECKING:
-    from vocab_parallel.sequence_parallel import TokenSlices
-    from vocab_parallel.stats import Call
+    from vocab_parallel.objectives.cross_entropy import Call
+    from vocab_parallel.parallel.sequence_parallel import TokenSlices
 
 # The objectives, in the order of their code in the ranks' agreement.
 OBJECTIVES = ("cross entropy", "token statistics", "distillation")

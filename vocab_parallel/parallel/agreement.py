@@ -25,8 +25,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from vocab_parallel.distributed import all_reduce, group_ranks, world_size
-from vocab_parallel.objective import MAX_FIELDS, OBJECTIVES
+from vocab_parallel.engine.objective import MAX_FIELDS, OBJECTIVES
 from vocab_parallel.options import (
     BACKENDS,
     FILTER_GRADS,
@@ -35,6 +34,7 @@ from vocab_parallel.options import (
     REDUCTIONS,
     LossOptions,
 )
+from vocab_parallel.parallel.collectives import all_reduce, group_ranks, world_size
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Entries whose difference means another rank refused its arguments.
@@ -140,7 +140,7 @@ def fingerprint(
     grad = torch.is_grad_enabled()
     bias = opts.bias
     # Under sequence parallelism the token exchange checks hidden's size, dtype and
-    # gradient need itself (vocab_parallel.sequence_parallel): 0 here on every rank.
+    # gradient need itself (vocab_parallel.parallel.sequence_parallel): 0 here on every rank.
     sp = 0.0 if opts.sequence_parallel else 1.0
     f = [
         0.0,
@@ -178,9 +178,9 @@ def fingerprint(
 
 def objective_row(name: str, own: list[tuple[str, str, object]]) -> list[object]:
     """What follows :func:`fingerprint`: the objective's code in
-    :data:`~vocab_parallel.objective.OBJECTIVES` and its own entries ``own`` (``(what,
+    :data:`~vocab_parallel.engine.objective.OBJECTIVES` and its own entries ``own`` (``(what,
     parameter, value)``, from ``Objective.fields``), padded to
-    :data:`~vocab_parallel.objective.MAX_FIELDS`."""
+    :data:`~vocab_parallel.engine.objective.MAX_FIELDS`."""
     if len(own) > MAX_FIELDS:
         raise RuntimeError(f"an objective adds at most {MAX_FIELDS} agreement entries")
     values = [value for _, _, value in own]

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vocab_parallel import precision
+from vocab_parallel.engine import precision
 
 # Tile of G that is kept or left out whole: rows (tokens) x columns (vocabulary). One
 # column wide: the products gather a row block's kept columns, so any set of columns

@@ -4,9 +4,9 @@ When the loss is a scalar (``reduction="sum"`` or ``"mean"``) and a backward wil
 the gradient of each token is known in the forward up to the one upstream scalar ``g``
 (``docs/design.md``, "Modes"): ``d loss / d loss_i`` is ``g`` (sum) or ``g / count`` (mean,
 ``count`` the non-ignored tokens, or their targets' class weights summed:
-``vocab_parallel.reduction.mean_denominator``), 0 for ignored tokens. So
+``vocab_parallel.engine.reduction.mean_denominator``), 0 for ignored tokens. So
 the forward walks the tokens in chunks of ``R`` rows, and for each chunk (the math of
-``vocab_parallel.stats``, per token):
+``vocab_parallel.objectives.cross_entropy``, per token):
 
     z_c          = cap(x_c @ W.T + b) / T           GEMM 1, fp32 [R, V_local], kept
     stats        local max / sum-exp / predicted / logit-sum of z_c
@@ -50,12 +50,24 @@ from collections.abc import Callable
 
 import torch
 
-from vocab_parallel import memory, precision
-from vocab_parallel.autograd import guarded_backward, no_autocast, shard_gradients, sum_grad_input
-from vocab_parallel.distributed import all_reduce, all_reduce_async, world_size
-from vocab_parallel.interface import Outputs
-from vocab_parallel.reduction import mean_denominator
-from vocab_parallel.stats import Call, RowStats, forward_stats, local_targets, reduce_statistics
+from vocab_parallel.backends.interface import Outputs
+from vocab_parallel.engine import memory_policy as memory
+from vocab_parallel.engine import precision
+from vocab_parallel.engine.autograd import (
+    guarded_backward,
+    no_autocast,
+    shard_gradients,
+    sum_grad_input,
+)
+from vocab_parallel.engine.reduction import mean_denominator
+from vocab_parallel.objectives.cross_entropy import (
+    Call,
+    RowStats,
+    forward_stats,
+    local_targets,
+    reduce_statistics,
+)
+from vocab_parallel.parallel.collectives import all_reduce, all_reduce_async, world_size
 
 # Overlap each chunk's grad_input all-reduce with the next chunk (same result either way).
 OVERLAP = True
@@ -85,7 +97,8 @@ def walk_token_chunks(
     where not needed), ``grad_input`` summed over the group.
 
     Token chunks are as tall as the memory policy allows for ``heads`` kept fp32 blocks
-    (``vocab_parallel.memory.token_rows``: the same on every rank). Per chunk, ``step``
+    (``vocab_parallel.engine.memory_policy.token_rows``: the same on every rank). Per chunk,
+    ``step``
     does the objective's work (:data:`ChunkStep`): its statistics (the blocking MAX and
     SUM all-reduces are its own), its results, its ``G`` and products into this walker's
     accumulators (written by the first chunk: no zero-fill pass). Then the chunk's
@@ -129,7 +142,7 @@ def walk_token_chunks(
 
 
 def outputs(needs: tuple[bool, bool, bool], buffers: dict, **extra) -> Outputs:
-    """The :class:`~vocab_parallel.interface.Outputs` of a chunk step's products."""
+    """The :class:`~vocab_parallel.backends.interface.Outputs` of a chunk step's products."""
     return Outputs(
         need_input=needs[0], need_weight=needs[1], need_bias=needs[2], **buffers, **extra
     )

@@ -14,13 +14,13 @@ rows ``[start, start + V)``, temperature ``T_i`` and class weights ``w_j`` (1 wi
 
 (0 for ignored tokens), which is ``F.cross_entropy(z, t, weight=w, label_smoothing=eps,
 reduction="none") + zl * lse^2``. ``U_i`` (the target's class weight, 1 without) is what a
-weighted mean divides by (``vocab_parallel.reduction``). The gradient of ``loss_i`` with
+weighted mean divides by (``vocab_parallel.engine.reduction``). The gradient of ``loss_i`` with
 respect to ``z_ij`` is, per unit upstream gradient,
 
     p_ij ((1 - eps) U_i + eps W / Vg + 2 zl lse_i) - (1 - eps) U_i [j == t_i] - eps/Vg w_j
 
 (without weights the factor of ``p`` is ``1 + 2 zl lse_i``): the :class:`GradTerms` of
-``vocab_parallel.backend``, whose backends add the chain rule through the temperature and
+``vocab_parallel.backends.registry``, whose backends add the chain rule through the temperature and
 the softcap.
 """
 
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vocab_parallel.backend import get_backend
-from vocab_parallel.distributed import all_reduce
-from vocab_parallel.interface import GradTerms, LocalStats, Logits
-from vocab_parallel.layout import ShardLayout
+from vocab_parallel.backends.interface import GradTerms, LocalStats, Logits
+from vocab_parallel.backends.registry import get_backend
 from vocab_parallel.options import LossOptions
+from vocab_parallel.parallel.collectives import all_reduce
+from vocab_parallel.parallel.layout import ShardLayout
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,11 +15,11 @@ all-reduce of the rescaled sums (the ``[N, k]`` logits at the ids ride in it), a
 divergence follows per token; the JSD needs the normalisers first, so it walks the chunks
 a second time (:func:`jsd_sums`, one more SUM of two per-token sums). :func:`gradient_chunk`
 is ``d loss_i / d z_ij`` of one chunk (then ``G`` of the backends' two products,
-``vocab_parallel.chunking``). The logits of a chunk come from :class:`HeadLogits`:
+``vocab_parallel.engine.chunking``). The logits of a chunk come from :class:`HeadLogits`:
 recomputed by the backend (its ``chunk_logits``: the torch backend's chunked fp32 GEMM, or
 the Triton forward-statistics kernel writing them), or read from saved ones. On a backend
 with fused distillation kernels (its ``distill``: the Triton backend's
-``vocab_parallel.triton_distill``) the dense teacher's first pass is one kernel instead
+``vocab_parallel.backends.triton_distill``) the dense teacher's first pass is one kernel instead
 (:func:`fused_statistics`): both heads' tiles and these sums in registers, no chunk of
 logits made (high-performance mode: written to the kept ones); and so are, from
 recomputed logits, the JSD's second pass (:func:`jsd_sums`) and the dense teacher's
@@ -36,10 +36,10 @@ from typing import NamedTuple
 
 import torch
 
-from vocab_parallel import memory
-from vocab_parallel.backend import get_backend
-from vocab_parallel.distributed import all_reduce
-from vocab_parallel.interface import Backend, Logits
+from vocab_parallel.backends.interface import Backend, Logits
+from vocab_parallel.backends.registry import get_backend
+from vocab_parallel.engine import memory_policy as memory
+from vocab_parallel.parallel.collectives import all_reduce
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -79,13 +79,15 @@ class Teacher:
 
 
 def chunk_columns(rows: int, v: int, device_type: str) -> int:
-    """Columns per chunk of both heads' logits (``vocab_parallel.memory``, "distill")."""
+    """Columns per chunk of both heads' logits (``vocab_parallel.engine.memory_policy``,
+    "distill")."""
     return memory.columns(rows, v, device_type, "distill")
 
 
 class HeadLogits:
     """One head's capped, untempered logits ``cap(x @ W.T + b)``, chunk by chunk, in the
-    statistics' dtype: recomputed by ``backend`` (a :class:`~vocab_parallel.interface.Backend`
+    statistics' dtype: recomputed by ``backend`` (a
+    :class:`~vocab_parallel.backends.interface.Backend`
     or its name; its ``chunk_logits``) or, with ``saved`` (``[N, V_local]``), read from it
     (``fill=True``: computed into it, high-performance mode)."""
 
@@ -248,7 +250,7 @@ def local_statistics(
 
 def fused_statistics(spec: Spec, student: HeadLogits, teacher: HeadLogits | None) -> bool:
     """Whether :func:`local_statistics` runs in the backend's fused kernel of both heads
-    (its ``distill``, ``vocab_parallel.triton_distill.distill_stats``): a backend that has
+    (its ``distill``, ``vocab_parallel.backends.triton_distill.distill_stats``): a backend that has
     one (Triton), a dense teacher of the student's dtype (its tile products are of one
     type; fp32 statistics), logits recomputed or filled (high-performance mode,
     grad-in-forward's chunks), not read from saved ones."""
@@ -269,7 +271,7 @@ def recomputed_in_kernels(spec: Spec, student: HeadLogits, teacher: HeadLogits |
 def _fused_statistics(spec, student, teacher, inv_t, cols) -> LocalStats:
     """:func:`local_statistics` by the backend's fused kernel: both heads' tiles, the
     online sums of ``spec``'s divergence and the CE's in registers
-    (``vocab_parallel.triton_distill.distill_stats``); with ``fill``, both heads' capped
+    (``vocab_parallel.backends.triton_distill.distill_stats``); with ``fill``, both heads' capped
     logits written into their ``saved`` buffers."""
     fill = student.saved is not None
     r = student.backend.distill.distill_stats(
@@ -388,7 +390,7 @@ def jsd_sums(
     m)``, ``m = beta p_t + (1 - beta) p_s``, one SUM all-reduce of both; ``d = beta K_t +
     (1 - beta) K_s``, ``coef = K_s``. Where :func:`fused_statistics` applies and the
     logits are recomputed (memory-saving mode), both sums are one kernel of the backend's
-    (``vocab_parallel.triton_distill.jsd_sums``), no chunk of logits made."""
+    (``vocab_parallel.backends.triton_distill.jsd_sums``), no chunk of logits made."""
     k = torch.zeros((2, rows), dtype=terms.ls.dtype, device=terms.ls.device)
     it = None if inv_t is None else inv_t[:, None]
     lb, l1b = math.log(spec.beta), math.log1p(-spec.beta)
@@ -473,7 +475,7 @@ def gradient_chunk(
 
 def fused_gradient(spec, terms, student, teacher, inv_t, scale_d, scale_ce, cols, cv):
     """``make_g`` of a dense teacher's ``G`` by the backend's fused kernel
-    (``vocab_parallel.triton_distill.divergence_gradient``: both heads' tiles
+    (``vocab_parallel.backends.triton_distill.divergence_gradient``: both heads' tiles
     recomputed, :func:`gradient_chunk`'s formula in registers, ``G`` written in the input
     dtype), or None where :func:`gradient_chunk` forms it: the top-k teacher, saved
     logits (high-performance mode reads them), or where :func:`fused_statistics` does not
@@ -523,7 +525,7 @@ def _forward_kl_chunk(terms, z, u, t, it, scale_d, scale_ce, cols, v0, v1, softc
 
 
 def kept_block_columns(rows: int, v: int, device_type: str) -> int:
-    """Columns per block of :class:`KeptForwardKL` (``vocab_parallel.memory``,
+    """Columns per block of :class:`KeptForwardKL` (``vocab_parallel.engine.memory_policy``,
     "kept_block": both heads' blocks and the scratch stay in cache through the elementwise
     passes, wide enough for full-rate CPU GEMMs)."""
     return memory.columns(rows, v, device_type, "kept_block")
@@ -600,7 +602,7 @@ class KeptForwardKL:
         return LocalStats(stu, tea, ce, predicted, None)
 
     def gradient(self, terms: RowTerms, scale_d, scale_ce, cols: Columns):
-        """``make_g`` of :func:`~vocab_parallel.chunking.gradient_products` over the same
+        """``make_g`` of :func:`~vocab_parallel.engine.chunking.gradient_products` over the same
         blocks (``cv`` columns): :func:`gradient_chunk` of the forward KL."""
         it = self.it
         c_d = scale_d if it is None else scale_d * it[:, 0]

@@ -52,7 +52,7 @@ from vocab_parallel.objectives.distill import (
     local_statistics,
     reduce_statistics,
 )
-from vocab_parallel.options import LossOptions, PendingOptions
+from vocab_parallel.options import LossOptions, PendingOptions, documented
 from vocab_parallel.parallel import sequence_parallel as _sp
 from vocab_parallel.parallel.agreement import _checksum
 from vocab_parallel.parallel.collectives import world_size
@@ -61,6 +61,7 @@ from vocab_parallel.parallel.dtensor import is_dtensor
 __all__ = ["DIVERGENCES", "vocab_parallel_distillation_loss"]
 
 
+@documented
 def vocab_parallel_distillation_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -116,9 +117,8 @@ def vocab_parallel_distillation_loss(
             entropy is of the untempered student logits (``T = 1``).
         reduction: ``"mean"`` (over non-ignored tokens), ``"sum"`` or ``"none"`` (shape of
             the tokens; this rank's tokens with ``sequence_parallel``).
-        process_group, vocab_start_index, global_vocab_size, softcap (both heads),
-        sequence_parallel, backend, check_inputs: as in
-            :func:`~vocab_parallel.loss.vocab_parallel_linear_cross_entropy`.
+        {shared: process_group, vocab_start_index, global_vocab_size}
+        {shared: softcap, sequence_parallel, backend, check_inputs}
         mode: ``"auto"``, ``"grad_in_forward"``, ``"memory_saving"`` or
             ``"high_performance"`` (the module docstring).
 

@@ -30,6 +30,7 @@ from vocab_parallel.options import (
     REDUCTIONS,
     LossOptions,
     PendingOptions,
+    documented,
     shown_options,
 )
 from vocab_parallel.parallel import sequence_parallel as _sp
@@ -44,6 +45,7 @@ class LossOutput(NamedTuple):
     lse: torch.Tensor
 
 
+@documented
 def vocab_parallel_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -80,45 +82,27 @@ def vocab_parallel_linear_cross_entropy(
         hidden: ``[..., H]`` fp32/fp16/bf16, identical on every rank of the group.
         weight: ``[V_local, H]`` this rank's rows, same dtype as ``hidden``.
         target: ``[...]`` integer global token ids (``ignore_index`` for none).
-        process_group: the tensor-parallel group; ``None`` (or one rank): no collectives.
-        vocab_start_index: first global id of this shard; default: contiguous shards in
-            rank order (uneven sizes allowed).
-        global_vocab_size: rows over all shards. With ``vocab_start_index`` it makes the
-            layout known without the small collective (and device sync) that otherwise
-            finds the shard sizes at every call.
-        ignore_index: target value that contributes no loss and no gradient.
+        {shared: process_group, vocab_start_index, global_vocab_size, ignore_index}
         reduction: ``"none"`` (per-token, shape of ``target``), ``"sum"`` or ``"mean"`` (over
             non-ignored tokens, weighted by the targets' class weights; 0 when all are
             ignored).
         label_smoothing: ``0 <= eps < 1`` over the global vocabulary, as ``F.cross_entropy``.
-        softcap: ``c > 0``: the logits are ``c * tanh(logits / c)`` (after the bias) before
-            the softmax (Gemma 2/3); None: no cap.
         z_loss: ``w >= 0``: each non-ignored token's loss gets ``+ w * lse^2`` (its
             log-sum-exp over the global vocabulary).
-        temperature: ``T > 0``, a float or a tensor shaped like ``target`` (one per token):
-            the logits are ``softcap(hidden @ W.T + bias) / T``; no gradient reaches it.
         class_weight: ``[V_local]`` this rank's rows of the class weights (sharded like
             ``weight``): ``F.cross_entropy``'s ``weight``; no gradient reaches it.
         return_lse: also return ``lse`` (of the scaled logits; shape of ``target``, fp32,
             0 where ignored, carrying no gradient): a :class:`LossOutput`.
-        bias: ``[V_local]`` this rank's bias rows (dtype of ``weight``): the logits are
-            ``hidden @ weight.T + bias``; it gets its gradient.
         mode: ``"auto"`` (default): ``"grad_in_forward"`` when it applies (not for fp16
-            or float64 inputs), else ``"memory_saving"``. ``"grad_in_forward"``: for a scalar loss
-            that will be differentiated, the forward computes the gradients token chunk by
-            token chunk (three GEMMs, no recompute; ``vocab_parallel.engine.grad_in_forward``);
+            or float64 inputs), else ``"memory_saving"``. ``"grad_in_forward"``: for a
+            scalar loss that will be differentiated, the forward computes the gradients
+            token chunk by token chunk (three GEMMs, no recompute;
+            ``vocab_parallel.engine.grad_in_forward``);
             elsewhere it runs as ``"memory_saving"`` (with a warning for
             ``reduction="none"``). ``"memory_saving"``: keep per-token statistics, recompute
             the logits in the backward (four GEMMs). ``"high_performance"``: keep the fp32
             softmax shard ``[tokens, V_local]``, no recompute.
-        backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA; torch for
-            float64).
-        check_inputs: check that every target id is ``ignore_index`` or in
-            ``[0, global vocabulary)`` (and every temperature positive), and (on CPU) the
-            layout and token counts of the group at every call. ``False`` skips these.
-        sequence_parallel: ``hidden``, ``target`` (and a per-token ``temperature``) are
-            this rank's slice of the group's tokens (uneven slices allowed); the loss is
-            over all of them, ``"none"`` gives this rank's tokens.
+        {shared: softcap, temperature, bias, backend, check_inputs, sequence_parallel}
         num_items_in_batch: the loss is then the SUM divided by it (Hugging Face's
             gradient accumulation); ``reduction`` must be ``"sum"`` then. A finite count
             > 0 (an int, a float or a one-element tensor, the same on every rank); 0 only

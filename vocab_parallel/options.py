@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -302,3 +304,63 @@ def shown_options(opts: LossOptions, skip: frozenset[str] = frozenset()) -> str:
         elif value is not None:
             parts.append(f"{name}={value!r}")
     return ", ".join(parts)
+
+
+# The documentation of the keywords every public call shares (the loss, its module, the
+# token statistics, distillation, the LM head), written once: ``documented`` puts it
+# into their docstrings.
+SHARED_DOCS = {
+    "process_group": ("the tensor-parallel group; ``None`` (or one rank): no collectives."),
+    "vocab_start_index": (
+        "first global id of this shard; default: contiguous shards in rank order (uneven sizes "
+        "allowed)."
+    ),
+    "global_vocab_size": (
+        "rows over all shards. With ``vocab_start_index`` it makes the layout known without the "
+        "small collective (and device sync) that otherwise finds the shard sizes at every call."
+    ),
+    "ignore_index": ("target value that contributes no loss and no gradient."),
+    "softcap": (
+        "``c > 0``: the logits are ``c * tanh(logits / c)`` (after the bias) before the softmax "
+        "(Gemma 2/3); None: no cap."
+    ),
+    "temperature": (
+        "``T > 0``, a float or a tensor shaped like ``target`` (one per token): the logits are "
+        "``softcap(hidden @ W.T + bias) / T``; no gradient reaches it."
+    ),
+    "bias": (
+        "``[V_local]`` this rank's bias rows (dtype of ``weight``): the logits are ``hidden @ "
+        "weight.T + bias``; it gets its gradient."
+    ),
+    "backend": ('``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA; torch for float64).'),
+    "check_inputs": (
+        "check that every target id is ``ignore_index`` or in ``[0, global vocabulary)`` (and "
+        "every temperature positive), and (on CPU) the layout and token counts of the group at "
+        "every call. ``False`` skips these."
+    ),
+    "sequence_parallel": (
+        "``hidden``, ``target`` (and a per-token ``temperature``) are this rank's slice of the "
+        'group\'s tokens (uneven slices allowed); the loss is over all of them, ``"none"`` gives '
+        "this rank's tokens."
+    ),
+}
+
+
+def documented(func):
+    """``func`` with each line ``{shared: a, b, ...}`` of its docstring replaced by the
+    :data:`SHARED_DOCS` of those keywords, as entries of its ``Args``."""
+    doc = func.__doc__ or ""
+
+    def entries(match: re.Match) -> str:
+        indent = match.group(1)
+        out = []
+        for name in (n.strip() for n in match.group(2).split(",")):
+            text = textwrap.wrap(
+                f"{name}: {SHARED_DOCS[name]}", 92 - len(indent),
+                subsequent_indent="    ", break_on_hyphens=False,
+            )  # fmt: skip
+            out += [indent + line for line in text]
+        return "\n".join(out)
+
+    func.__doc__ = re.sub(r"^( *)\{shared: ([a-z_, ]+)\}$", entries, doc, flags=re.M)
+    return func

@@ -47,7 +47,7 @@ from vocab_parallel.objectives.cross_entropy import (
     reduce_statistics,
 )
 from vocab_parallel.objectives.topk import exchange_candidates, shard_candidates
-from vocab_parallel.options import LossOptions, PendingOptions, StatsRequest, made
+from vocab_parallel.options import LossOptions, PendingOptions, StatsRequest, documented, made
 from vocab_parallel.parallel import sequence_parallel as _sp
 from vocab_parallel.parallel.collectives import world_size
 
@@ -68,6 +68,7 @@ class TokenStats(NamedTuple):
     argmax: torch.Tensor | None = None
 
 
+@documented
 def vocab_parallel_token_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -99,9 +100,8 @@ def vocab_parallel_token_stats(
         weight: ``[V_local, H]`` this rank's vocabulary rows (a ``Shard(0)`` DTensor too).
         target: ``[...]`` integer global ids (the sampled tokens); ``ignore_index`` for
             none.
-        process_group, vocab_start_index, global_vocab_size, softcap, bias, ignore_index,
-        sequence_parallel, backend, check_inputs: as in
-            :func:`~vocab_parallel.loss.vocab_parallel_linear_cross_entropy`.
+        {shared: process_group, vocab_start_index, global_vocab_size, softcap, bias}
+        {shared: ignore_index, sequence_parallel, backend, check_inputs}
         temperature: ``T > 0``, a float or a tensor shaped like ``target`` (rollout
             temperatures per token); no gradient reaches it.
         entropy: also the entropy ``-sum_j p_j log p_j`` (differentiable).

@@ -22,12 +22,12 @@ from helpers import (
 
 from vocab_parallel import (
     fused_linear_cross_entropy_loss_grad,
-    memory,
     pack_target_mask,
     shard_bounds,
-    torch_backend,
 )
+from vocab_parallel.backends import torch_backend
 from vocab_parallel.backends.interface import PLAIN, GradTerms, Outputs
+from vocab_parallel.engine import memory_policy as memory
 from vocab_parallel.reference import global_statistics
 
 SHAPES = [(37, 33, 129), (1, 1, 1), (64, 16, 260), (9, 70, 3)]

@@ -188,9 +188,9 @@ def _name_comparisons(path: Path, names: set[str]) -> list[int]:
 
 def test_only_the_registry_compares_backend_names():
     """Backends implement the interface's primitives (``vocab_parallel.backends.interface``);
-    which one runs is the registry's business (``backend.py``, with the options' list of
+    which one runs is the registry's business (``backends/registry.py``, with the options' list of
     names): nothing else asks for a backend by comparing its name."""
-    registry = {ROOT / PACKAGE / "backend.py", ROOT / PACKAGE / "options.py"}
+    registry = {ROOT / PACKAGE / "backends" / "registry.py", ROOT / PACKAGE / "options.py"}
     names = {"torch", "triton"}
     found = [
         f"{path.relative_to(ROOT)}:{line}"

@@ -21,6 +21,7 @@ import torch
 import triton
 
 from vocab_parallel.backends.triton_backend import device_capability, full_vector, num_splits
+from vocab_parallel.engine.online import merge
 from vocab_parallel.kernels import distill
 from vocab_parallel.kernels.common import TileConfig, tile_config
 
@@ -46,10 +47,9 @@ class DistillStats(NamedTuple):
 
 def _merge(p_max: torch.Tensor, *p_sums: torch.Tensor) -> list[torch.Tensor]:
     """Per-split maxima ``[S, BT]`` and their sums as the row's: ``[M, sum_s p e^(m - M)
-    ...]`` in split order (every ``m`` is finite: no NaN)."""
-    top = p_max.max(dim=0).values
-    decay = torch.exp(p_max - top)
-    return [top] + [(p * decay).sum(dim=0) for p in p_sums]
+    ...]`` (``vocab_parallel.engine.online.merge``)."""
+    top, sums = merge(p_max, *p_sums)
+    return [top, *sums]
 
 
 def distill_stats(

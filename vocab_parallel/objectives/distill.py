@@ -39,6 +39,7 @@ import torch
 from vocab_parallel.backends.interface import Backend, Logits
 from vocab_parallel.backends.registry import get_backend
 from vocab_parallel.engine import memory_policy as memory
+from vocab_parallel.engine.online import Online, merge, weighted_sum
 from vocab_parallel.parallel.collectives import all_reduce
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -106,51 +107,6 @@ class HeadLogits:
         return self._make(v0, v1, None if self.saved is None else self.saved[:, v0:v1])
 
 
-class _Online:
-    """A running max ``m``, ``s = sum_j e^(y_j - m)`` and sums ``sum_j e^(y_j - m) t_j``
-    over chunks; the max starts at the most negative finite value (a chunk of ``-inf``
-    adds 0 and rescales by 1, as in the backends)."""
-
-    def __init__(self, rows: int, extras: int, accum, device):
-        self.m = torch.full((rows,), torch.finfo(accum).min, dtype=accum, device=device)
-        self.s = torch.zeros(rows, dtype=accum, device=device)
-        self.extra = [torch.zeros_like(self.s) for _ in range(extras)]
-
-    def add(self, y: torch.Tensor, *terms: torch.Tensor) -> None:
-        new = torch.maximum(self.m, y.amax(dim=1))
-        decay = torch.exp(self.m - new)
-        e = torch.sub(y, new[:, None]).exp_()
-        self.s = self.s * decay + e.sum(dim=1)
-        for i, t in enumerate(terms):
-            self.extra[i] = self.extra[i] * decay + _weighted_sum(e, t)
-        self.m = new
-
-    @classmethod
-    def of(cls, m: torch.Tensor, s: torch.Tensor, *extra: torch.Tensor) -> _Online:
-        """The running statistics as already made elsewhere (the Triton kernel's)."""
-        online = cls.__new__(cls)
-        online.m, online.s, online.extra = m, s, list(extra)
-        return online
-
-    def rescaled(self, shift: torch.Tensor) -> list[torch.Tensor]:
-        decay = torch.exp(self.m - shift)
-        return [self.s * decay] + [t * decay for t in self.extra]
-
-
-def _weighted_sum(e: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``sum_j e_j t_j`` per row, where ``e_j = 0`` adds 0 even if ``t_j`` is infinite (a
-    ``-inf`` logit). ``t`` is a fresh term of the caller's and becomes the products (no
-    temporary: an ``einsum`` here grew with the vocabulary); the rows that came out NaN
-    (only such ``0 * inf``, or a NaN already there) are summed again with those masked."""
-    prod = t.mul_(e)
-    out = prod.sum(dim=1)
-    bad = torch.isnan(out)
-    if bool(bad.any()):
-        rows = bad.nonzero()[:, 0]
-        out[rows] = torch.where(e[rows] > 0, prod[rows], 0.0).sum(dim=1)
-    return out
-
-
 class Columns(NamedTuple):
     """Where each row's columns of interest are on this shard: ``target`` ``[N]`` and the
     teacher's top-k ``ids`` ``[N, k]`` (local columns, -1 elsewhere)."""
@@ -167,14 +123,14 @@ def _in_chunk(cols: torch.Tensor, v0: int, v1: int):
 
 
 class LocalStats(NamedTuple):
-    student: _Online
-    teacher: _Online | None
-    ce: _Online | None
+    student: Online
+    teacher: Online | None
+    ce: Online | None
     predicted: torch.Tensor | None
     at_ids: torch.Tensor | None
     # Top-k teacher: the student's ``u`` off the teacher's ids (the tail bin's columns),
     # and how many columns that is per row.
-    outside: _Online | None = None
+    outside: Online | None = None
     outside_columns: torch.Tensor | None = None
 
 
@@ -201,17 +157,17 @@ def local_statistics(
 ) -> LocalStats:
     """This rank's per-row statistics (the module docstring), one pass over its columns."""
     div = spec.divergence
-    stu = _Online(rows, 1 if (div == "reverse_kl" and not spec.sparse) else 0, accum, device)
+    stu = Online(rows, 1 if (div == "reverse_kl" and not spec.sparse) else 0, accum, device)
     tea = None
     if not spec.sparse:
-        tea = _Online(rows, 1 if div == "forward_kl" else 0, accum, device)
+        tea = Online(rows, 1 if div == "forward_kl" else 0, accum, device)
     scaled = inv_t is not None
-    ce = _Online(rows, 0, accum, device) if spec.ce and scaled else None
+    ce = Online(rows, 0, accum, device) if spec.ce and scaled else None
     predicted = torch.zeros(rows, dtype=accum, device=device) if spec.ce else None
     at_ids = outside = count = None
     if spec.sparse:
         at_ids = torch.zeros(cols.ids.shape, dtype=accum, device=device)
-        outside = _Online(rows, 0, accum, device)
+        outside = Online(rows, 0, accum, device)
         count = (v - (cols.ids >= 0).sum(dim=1)).to(accum)
     if rows == 0 or v == 0:
         return LocalStats(stu, tea, ce, predicted, at_ids, outside, count)
@@ -281,9 +237,9 @@ def _fused_statistics(spec, student, teacher, inv_t, cols) -> LocalStats:
         logits_out=(student.saved, teacher.saved) if fill else None,
     )  # fmt: skip
     div = spec.divergence
-    stu = _Online.of(r.m_s, r.s_s, *([r.a] if div == "reverse_kl" else []))
-    tea = _Online.of(r.m_t, r.s_t, *([r.a] if div == "forward_kl" else []))
-    ce = None if r.m_c is None else _Online.of(r.m_c, r.s_c)
+    stu = Online.of(r.m_s, r.s_s, *([r.a] if div == "reverse_kl" else []))
+    tea = Online.of(r.m_t, r.s_t, *([r.a] if div == "forward_kl" else []))
+    ce = None if r.m_c is None else Online.of(r.m_c, r.s_c)
     return LocalStats(stu, tea, ce, r.predicted if spec.ce else None, None)
 
 
@@ -409,7 +365,7 @@ def jsd_sums(
             lt = (t if it is None else t * it) - terms.lt[:, None]
             lm = torch.logaddexp(lt + lb, ls + l1b)
             for row, lp in ((0, lt), (1, ls)):
-                k[row] += _weighted_sum(torch.exp(lp), lp - lm)
+                k[row] += weighted_sum(torch.exp(lp), lp - lm)
     all_reduce(k, "SUM", group, "JSD sums")
     d = spec.beta * k[0] + (1.0 - spec.beta) * k[1]
     return terms._replace(d=d, coef=k[1])
@@ -538,7 +494,7 @@ class KeptForwardKL:
 
     :meth:`statistics` walks blocks of ``cv`` columns: each head's GEMM into its buffer,
     then per block and row its maximum ``m_b`` (at least the most negative finite value,
-    as :class:`_Online`'s start), the exponentials ``E = e^(y - m_b)`` written over the
+    as :class:`Online`'s start), the exponentials ``E = e^(y - m_b)`` written over the
     logits and their sums (``s``, and ``A_t``'s ``sum E_t (v - u)``), kept per block; after
     the walk the sums are rescaled to the row's maximum (what :func:`local_statistics`'
     online rescaling gives). After the all-reduces ``p = E e^(m_b - L)`` exactly (``m_b
@@ -568,7 +524,7 @@ class KeptForwardKL:
         spec, rows, v, it = self.spec, self.rows, self.v, self.it
         accum, device = self.student.accum, self.student.x.device
         lowest = torch.finfo(accum).min
-        ce = _Online(rows, 0, accum, device) if spec.ce and it is not None else None
+        ce = Online(rows, 0, accum, device) if spec.ce and it is not None else None
         predicted = torch.zeros(rows, dtype=accum, device=device) if spec.ce else None
         s_s, s_t, a_t = self.sums
         for b in range(self.m_s.shape[0]):
@@ -592,13 +548,13 @@ class KeptForwardKL:
             torch.sum(e_s, dim=1, out=s_s[b])
             e_t = t.sub_(_block_max(t, self.m_t[b], lowest)[:, None]).exp_()
             torch.sum(e_t, dim=1, out=s_t[b])
-            a_t[b] = _weighted_sum(e_t, diff)
+            a_t[b] = weighted_sum(e_t, diff)
         for head in (self.student, self.teacher):
             head.fill = False
-        stu, tea = _Online(rows, 0, accum, device), _Online(rows, 1, accum, device)
+        stu, tea = Online(rows, 0, accum, device), Online(rows, 1, accum, device)
         if self.m_s.shape[0]:
-            stu.m, (stu.s,) = _rescaled(self.m_s, s_s)
-            tea.m, (tea.s, tea.extra[0]) = _rescaled(self.m_t, s_t, a_t)
+            stu.m, (stu.s,) = merge(self.m_s, s_s)
+            tea.m, (tea.s, tea.extra[0]) = merge(self.m_t, s_t, a_t)
         return LocalStats(stu, tea, ce, predicted, None)
 
     def gradient(self, terms: RowTerms, scale_d, scale_ce, cols: Columns):
@@ -640,11 +596,3 @@ def _block_max(y: torch.Tensor, out: torch.Tensor, lowest: float) -> torch.Tenso
     """``out = max(lowest, max_j y_j)`` per row of a block (a block of ``-inf`` gives
     ``E = 0``, not NaN)."""
     return torch.amax(y, dim=1, out=out).clamp_(min=lowest)
-
-
-def _rescaled(m: torch.Tensor, *sums: torch.Tensor):
-    """Per-block maxima ``m`` and sums ``[blocks, rows]`` as one row's: ``(M, [sum_b s_b
-    e^(m_b - M) ...])``, ``M = max_b m_b``."""
-    top = m.amax(dim=0)
-    decay = torch.exp(m - top)
-    return top, [(t * decay).sum(dim=0) for t in sums]

@@ -26,6 +26,7 @@ from vocab_parallel.backends.interface import LocalStats
 from vocab_parallel.backends.registry import get_backend
 from vocab_parallel.engine import memory_policy as memory
 from vocab_parallel.engine import precision
+from vocab_parallel.engine.online import merge
 from vocab_parallel.parallel.collectives import all_gather
 
 # The id of a padding candidate: above any vocabulary, exact in the float64 exchange.
@@ -75,9 +76,8 @@ def merge_chunks(parts: list[LocalStats]) -> LocalStats:
     """The statistics of consecutive column chunks as those of their union (in order)."""
     if len(parts) == 1:
         return parts[0]
-    maxes = torch.stack([p.max for p in parts])
-    row_max = maxes.max(dim=0).values  # finite (the running max starts finite)
-    total = sum(p.sum_exp * torch.exp(p.max - row_max) for p in parts)
+    stacked = torch.stack([p.max for p in parts]), torch.stack([p.sum_exp for p in parts])
+    row_max, (total,) = merge(*stacked)  # finite maxima: the running max starts finite
     extras = [p.rescaled_extras(row_max) for p in parts]
     summed = [sum(column) for column in zip(*extras, strict=True)] if extras[0] else []
     return LocalStats(

@@ -9,6 +9,7 @@ has the per-operator setting (>= 2.9) and a CPU with bf16 units; the rest run an
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -68,6 +69,86 @@ def test_the_default_follows_what_onednn_does_here(choice):
     assert not precision._use_bf16_math(torch.bfloat16, "cuda")
     if not precision.bf16_math_available():
         assert not precision.bf16_math_honoured()
+
+
+# ------------------------------------------------------------------- the probe
+
+
+def _ieee(a, b):
+    """oneDNN's AVX-512 fp32 kernel: the bf16 math setting ignored (AVX512-BF16 CPUs)."""
+    return a @ b
+
+
+def _bf16_math(a, b):
+    """bf16 math as the library wants it: operands to bf16, fp32 accumulation and output."""
+    return a.bfloat16().float() @ b.bfloat16().float()
+
+
+def _onednn_amx(a, b):
+    """oneDNN v3's fp32 GEMM with bf16 math on an AMX CPU: the AMX kernel (bf16 math)
+    except for its "small shapes" (brgemm_matmul_utils.cpp), which go to the AVX-512 fp32
+    kernel that ignores the setting."""
+    (m, k), n = a.shape, b.shape[1]
+    small = (m == 1 and k == 256) or (m <= 32 and m * n <= 256) or k <= 16
+    return _ieee(a, b) if small else _bf16_math(a, b)
+
+
+@pytest.fixture
+def probe_with(monkeypatch):
+    """``bf16_math_honoured()`` probing with ``mm`` in place of torch.mm (oneDNN's
+    behaviour, emulated), on a torch and CPU that would let it ask (mocked too)."""
+
+    def run(mm):
+        monkeypatch.setattr(precision, "bf16_math_available", lambda: True)
+        monkeypatch.setattr(precision, "_scoped_bf16_math", contextlib.nullcontext)
+        monkeypatch.setattr(torch, "mm", mm)
+        precision.bf16_math_honoured.cache_clear()
+        try:
+            return precision.bf16_math_honoured()
+        finally:
+            precision.bf16_math_honoured.cache_clear()
+            monkeypatch.undo()
+
+    return run
+
+
+def test_the_probe_says_yes_where_onednn_runs_bf16_math_on_amx(probe_with):
+    """The probe's product must be large enough for oneDNN's AMX kernel: a 16 x 64 x 16
+    one is a "small shape" there, runs in fp32, and made AMX CPUs look like AVX512-BF16."""
+    assert probe_with(_onednn_amx)
+    m, k, n = precision.PROBE_SHAPE
+    assert m > 32 and m * n > 256 and k > 16 and m * k * n > 16**3  # oneDNN's and torch's
+
+
+def test_the_probe_says_no_to_fp32_math_or_to_rounded_bf16_results(probe_with):
+    assert not probe_with(_ieee)  # AVX512-BF16 alone: oneDNN keeps its fp32 kernel
+    # Converted but not exact: a bf16 output, or a bf16 accumulator in disguise.
+    assert not probe_with(lambda a, b: _bf16_math(a, b).bfloat16().float())
+    assert not precision.probe_bf16_math(lambda a, b: _bf16_math(a, b).round())
+    assert precision.probe_bf16_math(_bf16_math)
+
+
+def test_the_probe_is_not_decided_by_autocast(probe_with):
+    """The first bf16 call may come under torch.autocast: the probe's GEMMs must still be
+    fp32 ones (autocast's bf16 GEMMs round their results and would decide for the process)."""
+
+    def mm(a, b):  # torch.mm as autocast runs it: a bf16 GEMM, a bf16 result
+        if torch.is_autocast_enabled("cpu"):
+            return _bf16_math(a, b).bfloat16().float()
+        return _onednn_amx(a, b)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert probe_with(mm)
+
+
+def test_the_probe_on_this_cpu():
+    """Here, for real: yes with AMX-BF16, no with AVX512-BF16 alone (oneDNN keeps its fp32
+    kernel there, at any size)."""
+    if not precision.bf16_math_available():
+        pytest.skip("no bf16 units, or a torch without the per-operator setting")
+    amx = bool(torch.cpu.get_capabilities().get("amx_bf16", False))
+    precision.bf16_math_honoured.cache_clear()
+    assert precision.bf16_math_honoured() == amx, f"amx_bf16={amx}"
 
 
 def test_environment_and_override(choice):

@@ -125,9 +125,12 @@ def test_global_vocab_size_smaller_than_the_shard_end():
 def test_global_vocab_size_sets_the_smoothing_denominator():
     x, w, y = _problem()
     eps, vg = 0.2, 1000  # this shard is rows [0, 129) of a 1000-row vocabulary
-    ours = vp.vocab_parallel_linear_cross_entropy(
-        x, w, y, label_smoothing=eps, vocab_start_index=0, global_vocab_size=vg
-    )
+    kw = dict(label_smoothing=eps, vocab_start_index=0, global_vocab_size=vg)
+    # Checked, one shard without a group must be the whole vocabulary; check_inputs=False
+    # takes the stated layout as it is: the loss of this shard alone.
+    with pytest.raises(ValueError, match=r"^global_vocab_size: 1000, but rows \[129, 1000\)"):
+        vp.vocab_parallel_linear_cross_entropy(x, w, y, **kw)
+    ours = vp.vocab_parallel_linear_cross_entropy(x, w, y, check_inputs=False, **kw)
     logits = F.linear(x.double(), w.double()).flatten(0, 1)
     lse = torch.logsumexp(logits, dim=1)
     nll = lse - logits.gather(1, y.flatten()[:, None]).squeeze(1)

@@ -139,19 +139,43 @@ def bf16_math_available() -> bool:
     return True
 
 
+# The probe's product: [M, K] x [K, N]. oneDNN (v3.x, brgemm_matmul_utils.cpp) keeps fp32
+# GEMMs of "small shapes" off its AMX kernel, and so off bf16 math, when M <= 32 and
+# M * N <= 256, or K <= 16 (or M == 1 and K == 256): its kernel for those is the
+# AVX-512 fp32 one, which ignores the setting. torch hands a product to oneDNN when
+# M * K * N > 16^3. 128 rows, columns and depth are well past both, and cheap.
+PROBE_SHAPE = (128, 128, 128)
+
+
 @functools.cache
 def bf16_math_honoured() -> bool:
-    """Whether oneDNN really converts fp32 operands to bf16 in this CPU's fp32 GEMMs when
-    asked (it does on AMX; on AVX512-BF16 alone it keeps its fp32 kernel), probed once per
-    process on values bf16 cannot hold: ``1 + 2^-10`` summed 64 times is 64.0625 in fp32
-    and 64 in bf16 math. A behaviour, not a timing."""
+    """Whether oneDNN really runs this CPU's fp32 GEMMs in bf16 math when asked (it does
+    on AMX; on AVX512-BF16 alone it keeps its fp32 kernel), and exactly, probed once per
+    process at :data:`PROBE_SHAPE` (:func:`probe_bf16_math`). A behaviour, not a timing.
+    Autocast is off for it: the first bf16 call may come under ``torch.autocast``, whose
+    bf16 GEMMs would decide for the whole process."""
     if not bf16_math_available():
         return False
-    a = torch.full((16, 64), 1.0 + 2.0**-10)  # 16 * 64 * 16 > oneDNN's minimum size
-    b = torch.ones(64, 16)
-    with _scoped_bf16_math():
-        out = torch.mm(a, b)
-    return bool((out == 64.0).all())
+    with torch.autocast("cpu", enabled=False), torch.no_grad(), _scoped_bf16_math():
+        return probe_bf16_math(torch.mm)
+
+
+def probe_bf16_math(mm) -> bool:
+    """Whether ``mm`` (fp32 ``[M, K] x [K, N] -> [M, N]``, :data:`PROBE_SHAPE`) is what the
+    library wants of bf16 math: it converts its operands to bf16 (``1 + 2^-10``, which bf16
+    cannot hold, summed ``K`` times gives ``K``, not fp32's ``K + K 2^-10``), and is
+    exact for operands that hold bf16 values (small integers times 2^-4, whose products
+    sum exactly in fp32 in any order, mostly to values bf16 cannot hold: an fp32 accumulator
+    and an fp32 output, nothing rounded to bf16). Deterministic operands, no RNG."""
+    m, k, n = PROBE_SHAPE
+    ones = torch.ones(k, n)
+    converted = mm(torch.full((m, k), 1.0 + 2.0**-10), ones)
+    if not bool((converted == float(k)).all()):
+        return False
+    a = (torch.arange(m)[:, None] * 7 + torch.arange(k)[None, :] * 3) % 15 + 1.0
+    b = ((torch.arange(k)[:, None] * 5 + torch.arange(n)[None, :] * 11) % 15 + 1.0) / 16
+    exact = (a.double() @ b.double()).float()  # sums < 2^11 in steps of 2^-4: exact
+    return torch.equal(mm(a, b), exact)
 
 
 def _use_bf16_math(dtype: torch.dtype, device_type: str) -> bool:

@@ -11,7 +11,12 @@ ranks passing different numbers of tokens enter collectives of different sizes. 
 and every rank checks the same table: a bad layout raises the same ``ValueError`` on every
 rank of the group, never on one rank while the others wait in a collective. A layout that
 passed is remembered, so an LM head that states its layout pays the exchange once per
-group, layout and token count.
+group, layout and token count. Without tensor parallelism (no group, or a group of one) the
+one shard must hold the whole vocabulary, checked without a collective.
+
+``check_inputs=False`` trusts a stated layout (``vocab_start_index`` and
+``global_vocab_size`` both given), on one rank as on several: no exchange, no check of
+coverage (e.g. one shard of a larger vocabulary, computed alone on purpose).
 """
 
 from __future__ import annotations
@@ -78,24 +83,13 @@ def resolve_layout(
     parallelism needs, since the exchange reads its result on the host).
 
     Raises ``ValueError`` on every rank alike when shards overlap, leave a gap, do not add
-    up to ``global_vocab_size``, or ranks pass different numbers of tokens.
+    up to ``global_vocab_size``, or ranks pass different numbers of tokens. Without a
+    group (or in a group of one) the one shard must hold the whole vocabulary
+    (:func:`_one_shard`): ``vocab_start_index`` 0 and ``global_vocab_size`` its rows.
     """
     n = world_size(process_group)
     if n == 1:
-        start = 0 if vocab_start_index is None else vocab_start_index
-        global_size = v_local if global_vocab_size is None else global_vocab_size
-        if global_vocab_size is not None and start + v_local > global_vocab_size:
-            raise ValueError(
-                f"global_vocab_size: {global_vocab_size} is smaller than vocab_start_index "
-                f"{start} + {v_local} local rows"
-            )
-        global_size = max(global_size, start + v_local)
-        if global_size == 0:
-            raise ValueError(
-                "weight: has 0 rows; without tensor parallelism the weight is the whole "
-                "vocabulary and needs at least one row"
-            )
-        return ShardLayout(start, v_local, global_size)
+        return _one_shard(v_local, vocab_start_index, global_vocab_size, trust)
 
     known = vocab_start_index is not None and global_vocab_size is not None
     key = (id(process_group), vocab_start_index, v_local, global_vocab_size, tokens)
@@ -121,6 +115,48 @@ def resolve_layout(
     if known:
         _CHECKED.add(key)
     return layout
+
+
+def _one_shard(
+    v_local: int, start: int | None, global_size: int | None, trust: bool
+) -> ShardLayout:
+    """The layout without tensor parallelism (no group, or a group of one): the weight is
+    the whole vocabulary, rows ``[0, global_vocab_size)`` in one shard. A layout that
+    leaves rows to no rank raises, as it does over several ranks (:func:`_check_table`):
+    their logits would be missing from every softmax, silently. ``trust``
+    (``check_inputs=False``) takes a stated layout (both given) as it is, as over several
+    ranks: e.g. one shard of a larger vocabulary computed alone, on purpose."""
+    stated = start is not None and global_size is not None
+    start = 0 if start is None else start
+    end = start + v_local
+    if global_size is not None and end > global_size:
+        raise ValueError(
+            f"global_vocab_size: {global_size} is smaller than vocab_start_index "
+            f"{start} + {v_local} local rows"
+        )
+    if trust and stated:
+        return ShardLayout(start, v_local, global_size)
+    global_size = end if global_size is None else global_size
+    alone = (
+        f"the weight's {v_local} rows are [{start}, {end}) of {global_size}; without a "
+        "process_group of several ranks the weight is the whole vocabulary "
+        "(check_inputs=False takes a stated layout as it is)"
+    )
+    if start > 0:
+        raise ValueError(
+            f"vocab_start_index: {start}, but rows [0, {start}) belong to no rank; {alone}"
+        )
+    if end < global_size:
+        raise ValueError(
+            f"global_vocab_size: {global_size}, but rows [{end}, {global_size}) belong to no "
+            f"rank; {alone}"
+        )
+    if v_local == 0:
+        raise ValueError(
+            "weight: has 0 rows; without tensor parallelism the weight is the whole "
+            "vocabulary and needs at least one row"
+        )
+    return ShardLayout(0, v_local, v_local)
 
 
 def _check_table(rows: list[list[int]], rank: int, ranks: list[int]) -> ShardLayout:

@@ -5,7 +5,7 @@ The one shard is then the whole vocabulary: ``vocab_start_index`` 0 and
 would be missing from every softmax, silently (a 10-row weight at ``vocab_start_index=5``
 of 15 computed the loss over rows [5, 15) as if the vocabulary had 10 tokens). Every entry
 that takes the layout refuses it with a ``ValueError`` naming the layout parameter, as the
-ranks of a group do (``vocab_parallel.layout``); ``check_inputs=False`` takes a stated
+ranks of a group do (``vocab_parallel.parallel.layout``); ``check_inputs=False`` takes a stated
 layout (both given) as it is.
 """
 

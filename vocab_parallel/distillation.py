@@ -34,9 +34,8 @@ from vocab_parallel.engine.autograd import guarded_backward, no_autocast, sum_gr
 from vocab_parallel.engine.chunking import gradient_products
 from vocab_parallel.engine.entry import autocast_inputs, prepare_call
 from vocab_parallel.engine.grad_in_forward import hand_out, outputs, walk_token_chunks
-from vocab_parallel.engine.objective import Objective
+from vocab_parallel.engine.objective import Call, Objective
 from vocab_parallel.engine.reduction import mean_denominator, reduce_losses
-from vocab_parallel.objectives.cross_entropy import Call
 from vocab_parallel.objectives.distill import (
     DIVERGENCES,
     Columns,

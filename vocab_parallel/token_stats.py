@@ -39,9 +39,8 @@ from vocab_parallel.backends.registry import get_backend
 from vocab_parallel.engine import precision
 from vocab_parallel.engine.autograd import guarded_backward, no_autocast, sum_grad_input
 from vocab_parallel.engine.entry import prepare_call
-from vocab_parallel.engine.objective import Objective
+from vocab_parallel.engine.objective import Call, Objective
 from vocab_parallel.objectives.cross_entropy import (
-    Call,
     forward_stats,
     local_targets,
     reduce_statistics,

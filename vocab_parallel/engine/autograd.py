@@ -30,8 +30,8 @@ from vocab_parallel.backends.interface import Grads, Outputs
 from vocab_parallel.backends.registry import get_backend
 from vocab_parallel.engine import precision
 from vocab_parallel.engine.filtering import GradientFilter
+from vocab_parallel.engine.objective import Call
 from vocab_parallel.objectives.cross_entropy import (
-    Call,
     RowStats,
     forward_stats,
     gradient_terms,

@@ -7,7 +7,7 @@ the parameter's name), the ranks' agreement checked (``vocab_parallel.parallel.a
 tokens of the group gathered under sequence parallelism, the shard layout resolved and
 the target ids checked (``vocab_parallel.parallel.layout``,
 ``vocab_parallel.parallel.checks``). What comes
-out is one :class:`~vocab_parallel.objectives.cross_entropy.Call` and the flattened tensors
+out is one :class:`~vocab_parallel.engine.objective.Call` and the flattened tensors
 (``docs/design.md``, "One seam").
 """
 
@@ -21,9 +21,8 @@ import torch.distributed as dist
 
 from vocab_parallel.backends.registry import resolve_backend
 from vocab_parallel.engine import precision
-from vocab_parallel.engine.objective import Objective
+from vocab_parallel.engine.objective import Call, Objective
 from vocab_parallel.engine.reduction import check_items_counted, check_num_items_in_batch
-from vocab_parallel.objectives.cross_entropy import Call
 from vocab_parallel.options import LossOptions, PendingOptions, given_option, made
 from vocab_parallel.parallel import sequence_parallel as _sp
 from vocab_parallel.parallel.agreement import check_agreement, fingerprint, objective_row

@@ -59,9 +59,9 @@ from vocab_parallel.engine.autograd import (
     shard_gradients,
     sum_grad_input,
 )
+from vocab_parallel.engine.objective import Call
 from vocab_parallel.engine.reduction import mean_denominator
 from vocab_parallel.objectives.cross_entropy import (
-    Call,
     RowStats,
     forward_stats,
     local_targets,

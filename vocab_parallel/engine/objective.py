@@ -13,20 +13,45 @@ sequence parallelism, layout, target checks).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
+from vocab_parallel.backends.interface import Logits
 from vocab_parallel.options import LossOptions
+from vocab_parallel.parallel.agreement import MAX_FIELDS, OBJECTIVES
+from vocab_parallel.parallel.layout import ShardLayout
 
 if TYPE_CHECKING:
-    from vocab_parallel.objectives.cross_entropy import Call
     from vocab_parallel.parallel.sequence_parallel import TokenSlices
 
-# The objectives, in the order of their code in the ranks' agreement.
-OBJECTIVES = ("cross entropy", "token statistics", "distillation")
-# The most agreement entries an objective adds (each rank's row is padded to it).
-MAX_FIELDS = 12
+__all__ = ["MAX_FIELDS", "OBJECTIVES", "Call", "Objective"]
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """One resolved call of the loss: what the autograd Functions need besides tensors that
+    take a gradient. ``opts``: the validated options (its tensors already this call's);
+    ``class_weight``: fp32 ``[V_local]`` or None; ``inv_temperature``: fp32 ``[BT]`` (all
+    tokens of the call, gathered under sequence parallelism) or None for 1."""
+
+    opts: LossOptions
+    process_group: dist.ProcessGroup | None
+    layout: ShardLayout
+    backend: str
+    mode: str
+    track: bool = False  # whether a backward can follow (grad mode, an input requiring grad)
+    class_weight: torch.Tensor | None = None
+    inv_temperature: torch.Tensor | None = None
+    # grad_input left rank-local (this rank's vocabulary rows' share), for a caller that
+    # sums it over the group itself (verl's convention: vocab_parallel.integrations.verl)
+    partial_grad_input: bool = False
+
+    def logits(self, bias: torch.Tensor | None) -> Logits:
+        """How the backends make this call's logits (``bias``: the cast one)."""
+        return Logits(bias, self.opts.softcap, self.inv_temperature)
 
 
 class Objective:

@@ -25,7 +25,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from vocab_parallel.engine.objective import MAX_FIELDS, OBJECTIVES
 from vocab_parallel.options import (
     BACKENDS,
     FILTER_GRADS,
@@ -37,6 +36,10 @@ from vocab_parallel.options import (
 from vocab_parallel.parallel.collectives import all_reduce, group_ranks, world_size
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# The objectives (``vocab_parallel.engine.objective``), in the order of their code in the
+# table, and the most entries one adds (each rank's row is padded to it).
+OBJECTIVES = ("cross entropy", "token statistics", "distillation")
+MAX_FIELDS = 12
 # Entries whose difference means another rank refused its arguments.
 REFUSED = "arguments refused on this rank"
 # The parameters a refusal's message can start with. The refusing rank puts which one (and

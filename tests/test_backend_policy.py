@@ -23,9 +23,10 @@ import vocab_parallel as vp
 from vocab_parallel.backends import torch_backend
 from vocab_parallel.backends.interface import PLAIN, GradTerms, Logits, Outputs
 from vocab_parallel.backends.registry import get_backend
-from vocab_parallel.engine import autograd as loss_module  # the loss's autograd Function
+from vocab_parallel.engine import autograd as engine_autograd  # the shared all-reduce
 from vocab_parallel.engine import memory_policy as memory
 from vocab_parallel.engine import precision
+from vocab_parallel.objectives import cross_entropy_autograd as loss_module  # the loss's Function
 
 BT, H, V = 24, 20, 50  # distinct, so the shape of a product tells which product it is
 
@@ -162,7 +163,7 @@ def _backward_log(backend, mode, hidden_grad, weight_grad, monkeypatch, world=1)
 
     if world > 1:  # pretend to be one rank of a tensor-parallel group (no real collective)
         monkeypatch.setattr(loss_module, "world_size", lambda group: world)
-        monkeypatch.setattr(loss_module, "all_reduce", all_reduce)
+        monkeypatch.setattr(engine_autograd, "all_reduce", all_reduce)
     x, w, y = _problem()
     x.requires_grad_(hidden_grad)
     w.requires_grad_(weight_grad)

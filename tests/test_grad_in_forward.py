@@ -20,9 +20,10 @@ from multirank import run_ranks
 from vocab_parallel import vocab_parallel_linear_cross_entropy
 from vocab_parallel.engine import grad_in_forward
 from vocab_parallel.engine import memory_policy as memory
-from vocab_parallel.engine.grad_in_forward import GradInForwardLinearCE
 from vocab_parallel.engine.memory_policy import token_rows
 from vocab_parallel.loss import resolve_mode
+from vocab_parallel.objectives import cross_entropy_autograd
+from vocab_parallel.objectives.cross_entropy_autograd import GradInForwardLinearCE
 from vocab_parallel.testing import Case, check_case, grid
 
 CPU = torch.device("cpu")
@@ -178,13 +179,13 @@ def test_float16_forms_g_with_unit_token_gradients(monkeypatch):
     w = torch.randn(50, 16, generator=gen).half().requires_grad_(True)
     y = torch.randint(0, 50, (600,), generator=gen)
     seen = []
-    fused = grad_in_forward.shard_gradients
+    fused = cross_entropy_autograd.shard_gradients
 
     def recording(call, grad, *args, **kwargs):
         seen.append(grad.unique().tolist())
         return fused(call, grad, *args, **kwargs)
 
-    monkeypatch.setattr(grad_in_forward, "shard_gradients", recording)
+    monkeypatch.setattr(cross_entropy_autograd, "shard_gradients", recording)
     loss = vocab_parallel_linear_cross_entropy(x, w, y, mode="grad_in_forward")
     loss.backward()
     assert seen and all(vals == [1.0] for vals in seen)

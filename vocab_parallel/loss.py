@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vocab_parallel.engine.autograd import VocabParallelLinearCE
 from vocab_parallel.engine.entry import prepare_call
-from vocab_parallel.engine.grad_in_forward import GradInForwardLinearCE
 from vocab_parallel.engine.objective import Objective
 from vocab_parallel.engine.reduction import reduce_losses
+from vocab_parallel.objectives.cross_entropy_autograd import (
+    GradInForwardLinearCE,
+    VocabParallelLinearCE,
+)
 from vocab_parallel.options import (
     MODES,
     REDUCTIONS,

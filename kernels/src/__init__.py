@@ -6,6 +6,5 @@ Kernels only: each module holds its ``@triton.jit`` kernels, the constexprs of a
 They import triton, torch (for dtypes) and each other, nothing of the library: the
 launchers that validate, allocate and launch are the Triton backend's
 (``vocab_parallel.backends.triton_backend``, ``vocab_parallel.backends.triton_distill``).
-Importing this
-package needs triton; nothing queries a device.
+Importing this package needs triton; nothing queries a device.
 """

@@ -3,11 +3,11 @@
 The loss, its module, the LM head, the integrations and the token statistics all take
 their tensors through here: DTensor inputs unwrapped (``vocab_parallel.parallel.dtensor``), the
 tensors cast as ``F.linear`` would under autocast, validated (every message starts with
-the parameter's name), the ranks' agreement checked (``vocab_parallel.parallel.agreement``), the
-tokens of the group gathered under sequence parallelism, the shard layout resolved and
-the target ids checked (``vocab_parallel.parallel.layout``,
-``vocab_parallel.parallel.checks``). What comes
-out is one :class:`~vocab_parallel.engine.objective.Call` and the flattened tensors
+the parameter's name), the ranks' agreement checked
+(``vocab_parallel.parallel.agreement``), the tokens of the group gathered under sequence
+parallelism, the shard layout resolved and the target ids checked
+(``vocab_parallel.parallel.layout``, ``vocab_parallel.parallel.checks``). What comes out
+is one :class:`~vocab_parallel.engine.objective.Call` and the flattened tensors
 (``docs/design.md``, "One seam").
 """
 

@@ -65,13 +65,13 @@ def walk_token_chunks(
     where not needed), ``grad_input`` summed over the group.
 
     Token chunks are as tall as the memory policy allows for ``heads`` kept fp32 blocks
-    (``vocab_parallel.engine.memory_policy.token_rows``: the same on every rank). Per chunk,
-    ``step``
-    does the objective's work (:data:`ChunkStep`): its statistics (the blocking MAX and
-    SUM all-reduces are its own), its results, its ``G`` and products into this walker's
-    accumulators (written by the first chunk: no zero-fill pass). Then the chunk's
-    ``grad_input`` rows start their SUM all-reduce asynchronously (:data:`OVERLAP`: it
-    overlaps the next chunk's GEMMs); the walker waits for all of them at the end."""
+    (``vocab_parallel.engine.memory_policy.token_rows``: the same on every rank). Per
+    chunk, ``step`` does the objective's work (:data:`ChunkStep`): its statistics (the
+    blocking MAX and SUM all-reduces are its own), its results, its ``G`` and products
+    into this walker's accumulators (written by the first chunk: no zero-fill pass).
+    Then the chunk's ``grad_input`` rows start their SUM all-reduce asynchronously
+    (:data:`OVERLAP`: it overlaps the next chunk's GEMMs); the walker waits for all of
+    them at the end."""
     bt, h = hidden.shape
     v = weight.shape[0]
     accum = precision.accumulate_dtype(hidden.dtype)

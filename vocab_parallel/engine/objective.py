@@ -1,14 +1,14 @@
-"""What an objective tells the engine's entry, written once (``docs/design.md``, "The
-engine").
+"""What an objective tells the engine's entry, and the call the entry prepares for it,
+written once (``docs/design.md``, "The engine").
 
 The cross entropy, the token statistics and distillation each hand
-:func:`vocab_parallel.engine.entry.prepare_call` one :class:`Objective`: its name, its own checks
-(made in the entry's guarded step, so that a value refused on one rank raises on every
-rank: its validated request is kept on the objective), its own entries of the ranks'
-agreement, what it checks and prepares once the call is (the layout known, the tokens
-gathered), and the mode it runs. The
-entry does the rest alike for all of them (DTensors, autocast, validation, agreement,
-sequence parallelism, layout, target checks).
+:func:`vocab_parallel.engine.entry.prepare_call` one :class:`Objective`: its name, its
+own checks (made in the entry's guarded step, so that a value refused on one rank raises
+on every rank; what it validates, its request, it keeps), its own entries of the ranks'
+agreement, what it checks and prepares once the layout is known and the tokens gathered,
+and the mode it runs. The entry does the rest alike for all of them (DTensors, autocast,
+validation, agreement, sequence parallelism, layout, target checks) and returns one
+:class:`Call`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ __all__ = ["MAX_FIELDS", "OBJECTIVES", "Call", "Objective"]
 
 @dataclass(frozen=True, eq=False)
 class Call:
-    """One resolved call of the loss: what the autograd Functions need besides tensors that
-    take a gradient. ``opts``: the validated options (its tensors already this call's);
+    """One resolved call of an objective: what its autograd Functions need besides tensors
+    that take a gradient. ``opts``: the validated options (its tensors already this call's);
     ``class_weight``: fp32 ``[V_local]`` or None; ``inv_temperature``: fp32 ``[BT]`` (all
     tokens of the call, gathered under sequence parallelism) or None for 1."""
 

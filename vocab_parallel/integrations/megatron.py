@@ -32,9 +32,9 @@ gradient within 1e-6 in fp32):
   reduce-scatter) does not run as well.
 * **Sequence parallelism** (``output_layer.sequence_parallel``): the ranks' token slices are
   all-gathered (``vocab_parallel.parallel.sequence_parallel.gather_tokens``), every rank
-  computes the
-  losses of all ``s`` positions (Megatron's ``[b, s]`` is complete on every rank), and the
-  gradient of each rank's slice is its rows of the (already reduced) gathered gradient.
+  computes the losses of all ``s`` positions (Megatron's ``[b, s]`` is complete on every
+  rank), and the gradient of each rank's slice is its rows of the (already reduced)
+  gathered gradient.
 * **loss_mask**: positions where it is 0 become ``ignore_index`` (loss 0, no gradient);
   the caller's ``loss_mask`` multiplication leaves them 0 as before. Other values (weights)
   are left to the caller's multiplication, as before.

@@ -88,9 +88,9 @@ def chunk_columns(rows: int, v: int, device_type: str) -> int:
 class HeadLogits:
     """One head's capped, untempered logits ``cap(x @ W.T + b)``, chunk by chunk, in the
     statistics' dtype: recomputed by ``backend`` (a
-    :class:`~vocab_parallel.backends.interface.Backend`
-    or its name; its ``chunk_logits``) or, with ``saved`` (``[N, V_local]``), read from it
-    (``fill=True``: computed into it, high-performance mode)."""
+    :class:`~vocab_parallel.backends.interface.Backend` or its name; its
+    ``chunk_logits``) or, with ``saved`` (``[N, V_local]``), read from it (``fill=True``:
+    computed into it, high-performance mode)."""
 
     def __init__(self, backend, x, weight, bias, softcap, accum, saved=None, fill=False):
         self.backend: Backend = get_backend(backend) if isinstance(backend, str) else backend

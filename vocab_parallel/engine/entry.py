@@ -273,9 +273,7 @@ def prepare_call(
         trust=not opts.check_inputs,
     )
     if opts.check_inputs:
-        alone = world_size(process_group) == 1
-        rows = (layout.start, layout.start + layout.size) if alone else None
-        check_targets(t1, opts.ignore_index, layout.global_size, rows)
+        check_targets(t1, opts.ignore_index, layout.global_size)
         if num_items_in_batch is not None:  # the same count and targets on every rank
             check_items_counted(num_items_in_batch, t1, opts.ignore_index)
     inputs = (h2, weight) if bias is None else (h2, weight, bias)

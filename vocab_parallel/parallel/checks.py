@@ -17,24 +17,15 @@ import torch
 import torch.distributed as dist
 
 
-def check_targets(
-    target: torch.Tensor, ignore_index: int, global_size: int, rows: tuple[int, int] | None = None
-) -> None:
+def check_targets(target: torch.Tensor, ignore_index: int, global_size: int) -> None:
     """Raise ``ValueError`` naming ``target`` unless every id is ``ignore_index`` or in
-    ``[0, global_size)``; or, with ``rows`` (no tensor parallelism: the one shard's rows
-    ``[lo, hi)``), in those rows: a target on rows no rank holds would silently get the loss
-    of a target "owned by no row"."""
-    lo, hi = (0, global_size) if rows is None else rows
-    bad = (target != ignore_index) & ((target < lo) | (target >= hi))
-    where_ = (
-        "the global vocabulary"
-        if rows is None
-        else (
-            "the rows of weight: without a process_group of several ranks no other rank holds "
-            "the others"
-        )
+    ``[0, global_size)`` (without a group of several ranks the one shard holds all of them:
+    ``vocab_parallel.parallel.layout`` refuses any other layout)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= global_size))
+    message = (
+        f"target: ids must be in [0, {global_size}) (the global vocabulary) or "
+        f"ignore_index={ignore_index}"
     )
-    message = f"target: ids must be in [{lo}, {hi}) ({where_}) or ignore_index={ignore_index}"
     if target.device.type == "cuda":
         torch._assert_async(~bad.any(), message)
         return

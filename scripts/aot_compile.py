@@ -47,15 +47,13 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from vocab_parallel.kernels import backward, common, distill, forward  # noqa: E402
+from vocab_parallel.kernels import backward, common, forward  # noqa: E402
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Arguments a contiguous launch passes as 1 (Triton turns them into constexprs).
 UNIT_ARGS = {
     "stride_xk",
     "stride_wk",
-    "stride_xtk",
-    "stride_wtk",
     "stride_ln",
     "stride_tn",
     "stride_sn",
@@ -64,9 +62,8 @@ UNIT_ARGS = {
     "stride_ps",
 }
 FLOAT_ARGS = {"on_target", "smooth_all", "softcap"}
-# In the input dtype (the teacher's too: the distillation kernel takes one dtype for both
-# heads); target_ptr is int64, the rest fp32.
-INPUT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "g_ptr", "xt_ptr", "wt_ptr", "bt_ptr"}
+# In the input dtype; target_ptr is int64, the rest fp32.
+INPUT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "g_ptr"}
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")  # maxnreg: only where a tile sets it
 # How Triton specialises the int arguments of a launch (a value divisible by 16 gets a hint):
 #   aligned: every size and stride (LLM shapes: BT, V_local, H all multiples of 16); the
@@ -74,15 +71,11 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")  # maxnreg: only where a
 #   odd:     only H and the input/weight row strides (any BT and V: a prime vocabulary,
 #            an odd batch); scalar stores and masks, hence the most registers.
 SPECS = ("aligned", "odd")
-ALIGNED_HIDDEN = {"H", "stride_xm", "stride_wn", "Ht", "stride_xtm", "stride_wtn"}
+ALIGNED_HIDDEN = {"H", "stride_xm", "stride_wn"}
 
 
 def variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
-    return (
-        forward.launch_variants(capability)
-        + backward.launch_variants(capability)
-        + distill.launch_variants(capability)
-    )
+    return forward.launch_variants(capability) + backward.launch_variants(capability)
 
 
 def _flags(meta: dict) -> list[str]:

@@ -341,10 +341,8 @@ def test_backends_make_the_same_chunks_of_logits(backend, dtype):
     plain = run.chunk_logits(x, w, dtype=torch.float32)(3, 9)
     torch.testing.assert_close(plain.double(), (x.double() @ w.double().T)[:, 3:9], **tol)
     if backend == "torch":
-        assert run.distill is None
         wide = run.chunk_logits(x, w, dtype=torch.float64)(0, v)
         assert wide.dtype == torch.float64
     else:
-        assert callable(run.distill.distill_stats) and callable(run.distill.jsd_sums)
         with pytest.raises(TypeError, match="^dtype:"):
             run.chunk_logits(x, w, dtype=torch.float64)

@@ -237,9 +237,8 @@ def test_single_process_torch(case):
     assert check(case) == []
 
 
-# Grad-in-forward's forward KL on kept blocks (vocab_parallel.objectives.distill.KeptForwardKL)
-# with blocks of 64 columns: the exps written over the logits (T = 1 or no CE, no cap),
-# and the student's logits kept (a cap, or the CE at T != 1).
+# Grad-in-forward's kept blocks walked in chunks of 128 columns (the narrowest the memory
+# policy gives): every temperature form, with and without the CE, a cap, a bias.
 KEPT = [
     DCase(temperature="one", hard_label_weight=0.1, bias=True, teacher_bias=True, seed=30),
     DCase(temperature="tensor", reduction="sum", seed=31),
@@ -255,10 +254,9 @@ KEPT = [
 @pytest.mark.parametrize("case", KEPT, ids=str)
 def test_grad_in_forward_kept_blocks(case, monkeypatch):
     from vocab_parallel.engine import memory_policy as memory
-    from vocab_parallel.objectives import distill as distill_stats
 
     monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", 1)  # the narrowest blocks
-    assert distill_stats.kept_block_columns(case.tokens, case.vocab, "cpu") == 128
+    assert memory.columns(case.tokens, case.vocab, "cpu", "epilogue") == 128
     assert check(replace(case, tokens=29, vocab=291)) == []  # 3 blocks, the last short
 
 
@@ -268,8 +266,7 @@ def test_single_process_triton(case):
     assert check(case) == []
 
 
-# The Triton backend's forward statistics in its two-head kernel
-# (vocab_parallel.backends.triton_distill):
+# The Triton backend's chunks of logits under distillation's epilogue:
 # odd shapes (37 tokens, V 389, H 48 / H_t 80: edge tiles in every dimension), both KLs
 # and the JSD's first pass, the CE mix with ignored tokens at T = 1 (the target logit
 # only) and T != 1 (the untempered sums too), a bias on either head, memory-saving
@@ -314,46 +311,10 @@ FUSED = [
 ]  # fmt: skip
 
 
-@pytest.fixture
-def distill_kernel_calls(monkeypatch):
-    """The calls of the two-head kernels' launchers: ``"stats:<divergence>"``, ``"jsd"``
-    (the JSD's second pass) and ``"grad:<divergence>"`` (G, once per backward)."""
-    from vocab_parallel.backends import triton_distill as distill
-
-    calls = []
-    stats, jsd, grad = distill.distill_stats, distill.jsd_sums, distill.divergence_gradient
-
-    def counted_stats(*args, **kwargs):
-        calls.append(f"stats:{kwargs['divergence']}")
-        return stats(*args, **kwargs)
-
-    def counted_jsd(*args, **kwargs):
-        calls.append("jsd")
-        return jsd(*args, **kwargs)
-
-    def counted_grad(*args, **kwargs):
-        calls.append(f"grad:{kwargs['divergence']}")
-        return grad(*args, **kwargs)
-
-    monkeypatch.setattr(distill, "distill_stats", counted_stats)
-    monkeypatch.setattr(distill, "jsd_sums", counted_jsd)
-    monkeypatch.setattr(distill, "divergence_gradient", counted_grad)
-    return calls
-
-
-def _kernel_calls(divergence: str, memory_saving: bool) -> list[str]:
-    """The launches of one forward and backward: the statistics; from recomputed logits
-    (memory-saving) the JSD's second pass and G too (else both read the kept logits)."""
-    jsd = ["jsd"] if divergence == "jsd" and memory_saving else []
-    return [f"stats:{divergence}", *jsd] + [f"grad:{divergence}"] * memory_saving
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("case", FUSED, ids=str)
-def test_triton_fused_statistics(case, distill_kernel_calls):
+def test_triton_odd_shapes(case):
     assert check(case) == []
-    memory_saving = case.mode == "memory_saving" or case.dtype == torch.float16  # (auto)
-    assert distill_kernel_calls == _kernel_calls(case.divergence, memory_saving)
 
 
 def _problem_args(case: DCase) -> dict:
@@ -366,200 +327,8 @@ def _problem_args(case: DCase) -> dict:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
-def test_triton_forward_makes_no_logits_chunk(divergence, monkeypatch, distill_kernel_calls):
-    """The Triton backend's forward and backward of memory-saving mode, and the forward of
-    high-performance mode, make no chunk of logits outside the kernels
-    (``HeadLogits.chunk`` refuses to run: memory-saving mode's backward recomputes both
-    heads' tiles in the G kernel); the JSD's high-performance second pass reads the kept
-    logits (a chunk), so it runs memory-saving mode only."""
-    from vocab_parallel.objectives.distill import HeadLogits
-
-    case = DCase(**ODD, divergence=divergence, temperature="tensor", softcap=3.0,
-                 bias=True, teacher_bias=True, hard_label_weight=0.2, seed=70)  # fmt: skip
-    args = _problem_args(case)
-    x = args.pop("hidden")
-    chunk = HeadLogits.chunk
-
-    def refuse(self, v0, v1):
-        raise AssertionError("a logits chunk was made in the forward statistics")
-
-    ref = distillation_reference(
-        x.double(), args["weight"].double(), teacher_hidden=args["teacher_hidden"].double(),
-        teacher_weight=args["teacher_weight"].double(), target=args["target"],
-        divergence=divergence, temperature=args["temperature"],
-        hard_label_weight=case.hard_label_weight, bias=args["bias"].double(),
-        teacher_bias=args["teacher_bias"].double(), softcap=case.softcap,
-    )  # fmt: skip
-    modes = ("memory_saving",) + (() if divergence == "jsd" else ("high_performance",))
-    for mode in modes:
-        h = x.clone().requires_grad_(True)
-        monkeypatch.setattr(HeadLogits, "chunk", refuse)
-        loss = vp.vocab_parallel_distillation_loss(h, **args, mode=mode)
-        if mode == "memory_saving":
-            loss.backward()  # both heads' tiles recomputed in the G kernel
-        monkeypatch.setattr(HeadLogits, "chunk", chunk)
-        assert _rel(loss, ref) <= LOSS_TOL, (mode, float(loss), float(ref))
-        if mode == "high_performance":
-            loss.backward()  # G from the logits the kernel kept
-        assert h.grad is not None and bool(torch.isfinite(h.grad).all())
-    want = _kernel_calls(divergence, True) + _kernel_calls(divergence, False) * (len(modes) - 1)
-    assert distill_kernel_calls == want
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-# The interpreter's numpy warns at v - u = -inf - (-inf) of a masked column (its e^ is 0,
-# the term is left out).
-@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
-@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
-def test_triton_kernel_statistics_equal_the_torch_path(divergence):
-    """The kernel's per-row statistics against the torch backend's walk
-    (``local_statistics``) on the same inputs: equal to fp32 rounding, with a masking
-    bias of ``-inf`` on both heads over the first 40 columns (the interpreter's first
-    32-column tile all ``-inf``) and the last 9 (no softcap: it would make them finite),
-    and the CE's sums; an empty shard gives
-    the starting maxima and zero sums."""
-    from vocab_parallel.backends import triton_distill as distill
-    from vocab_parallel.objectives.distill import Columns, HeadLogits, Spec, local_statistics
-
-    g = torch.Generator().manual_seed(80)
-    n, h, ht, v = 37, 48, 80, 389
-    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.6
-    xt, wt = torch.randn(n, ht, generator=g), torch.randn(v, ht, generator=g) * 0.8
-    b, bt = torch.randn(v, generator=g) * 0.3, torch.randn(v, generator=g) * 0.3
-    for bias in (b, bt):
-        bias[:40] = float("-inf")
-        bias[-9:] = float("-inf")
-    inv_t = torch.rand(n, generator=g) + 0.5
-    target = torch.randint(40, v - 9, (n,), generator=g)  # (unmasked columns: finite CE)
-    target[::3] = -1  # elsewhere
-    spec = Spec(divergence, hard_label_weight=0.2, has_target=True)
-    cols = Columns(target, None)
-    stats = {}
-    for backend in ("torch", "triton"):
-        heads = [HeadLogits(backend, a, c, d, None, torch.float32) for a, c, d in
-                 ((x, w, b), (xt, wt, bt))]  # fmt: skip
-        st = local_statistics(spec, *heads, inv_t, cols, v, n, torch.float32, x.device)
-        stats[backend] = [
-            st.student.m, st.student.s, *st.student.extra, st.teacher.m, st.teacher.s,
-            *st.teacher.extra, st.ce.m, st.ce.s, st.predicted,
-        ]  # fmt: skip
-    assert len(stats["torch"]) == len(stats["triton"]) == (7 if divergence == "jsd" else 8)
-    for ours, want in zip(stats["triton"], stats["torch"], strict=True):
-        assert bool(torch.isfinite(ours).all())
-        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    empty = distill.distill_stats(x, w[:0], None, xt, wt[:0], None, divergence=divergence,
-                                  ce_sums=True)  # fmt: skip
-    assert bool((empty.m_s == torch.finfo(torch.float32).min).all())
-    assert bool((empty.s_s == 0).all()) and bool((empty.predicted == 0).all())
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-# The interpreter's numpy warns at -inf - (-inf) in a masked column (left out).
-@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
-@pytest.mark.parametrize(
-    ("divergence", "dtype", "softcap", "ce"),
-    [("forward_kl", torch.float32, 3.0, "scaled"), ("forward_kl", torch.float32, None, "none"),
-     ("forward_kl", BF16, 3.0, "one"), ("forward_kl", BF16, None, "scaled"),
-     ("reverse_kl", torch.float32, 3.0, "scaled"), ("reverse_kl", BF16, None, "one"),
-     ("jsd", torch.float32, None, "scaled"), ("jsd", torch.float32, 3.0, "one"),
-     ("jsd", BF16, 3.0, "none")],
-)  # fmt: skip
-def test_triton_divergence_kernels_equal_the_torch_chunks(divergence, dtype, softcap, ce):
-    """The G kernel against ``gradient_chunk`` (torch) on the same reduced terms, chunk
-    by chunk (chunks of 100 of the 389 columns: the offset of each), in the input dtype:
-    fp32 to rounding, bf16 within one rounding of the fp32 value; for the JSD, its
-    second-pass kernel against the torch walk first (the terms both G's read). A masking
-    bias of ``-inf`` over 40 columns of the teacher (the reverse KL's ``u - v`` infinite
-    there: the student's too, so ``p_s = 0``) and 9 of both heads."""
-    from vocab_parallel.backends import triton_distill as distill
-    from vocab_parallel.objectives.distill import (
-        Columns,
-        HeadLogits,
-        Spec,
-        gradient_chunk,
-        jsd_sums,
-        local_statistics,
-        reduce_statistics,
-    )
-
-    g = torch.Generator().manual_seed(90)
-    n, h, ht, v = 37, 48, 80, 389
-    x = torch.randn(n, h, generator=g).to(dtype)
-    w = (torch.randn(v, h, generator=g) * 0.6).to(dtype)
-    xt = torch.randn(n, ht, generator=g).to(dtype)
-    wt = (torch.randn(v, ht, generator=g) * 0.8).to(dtype)
-    b = torch.randn(v, generator=g) * 0.3
-    bt = torch.randn(v, generator=g) * 0.3
-    if softcap is None:  # (a cap makes -inf finite)
-        b[:40] = bt[:40] = float("-inf")
-        b[-9:] = bt[-9:] = float("-inf")
-    b, bt = b.to(dtype), bt.to(dtype)
-    inv_t = None if ce == "one" else torch.rand(n, generator=g) + 0.5
-    target = torch.randint(-1, v, (n,), generator=g)
-    if softcap is None:
-        target = torch.where((target >= 40) & (target < v - 9), target, -1)
-    spec = Spec(divergence, beta=0.3, hard_label_weight=0.0 if ce == "none" else 0.3,
-                has_target=True)  # fmt: skip
-    cols = Columns(target, None)
-    heads = {backend: [HeadLogits(backend, a, c, d, softcap, torch.float32)
-                       for a, c, d in ((x, w, b), (xt, wt, bt))]
-             for backend in ("torch", "triton")}  # fmt: skip
-    stats = local_statistics(spec, *heads["triton"], inv_t, cols, v, n, torch.float32, x.device)
-    terms = reduce_statistics(spec, stats, None, None)
-    if divergence == "jsd":
-        want = jsd_sums(spec, *heads["torch"], inv_t, terms, v, n, None)
-        terms = jsd_sums(spec, *heads["triton"], inv_t, terms, v, n, None)
-        for got_t, want_t in ((terms.d, want.d), (terms.coef, want.coef)):
-            assert bool(torch.isfinite(got_t).all())
-            torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-6)
-    upstream = torch.randn(n, generator=g)
-    scale_d = upstream * 0.7
-    scale_ce = None if ce == "none" else upstream * 0.3
-    c_d = scale_d if inv_t is None else scale_d * inv_t
-    make_g = distill.divergence_gradient(
-        x, w, b, xt, wt, bt, divergence=divergence, softcap=softcap, inv_temperature=inv_t,
-        ls=terms.ls, lt=terms.lt, c_d=c_d, coef=terms.coef, beta=spec.beta, c_ce=scale_ce,
-        l1=terms.l1 if scale_ce is not None else None,
-        local_target=target if scale_ce is not None else None, chunk_columns=100,
-    )  # fmt: skip
-    for v0 in range(0, v, 100):
-        v1 = min(v, v0 + 100)
-        torch_heads = heads["torch"]
-        want = gradient_chunk(spec, terms, torch_heads[0].chunk(v0, v1),
-                              torch_heads[1].chunk(v0, v1), inv_t, scale_d, scale_ce, cols,
-                              v0, v1, softcap)  # fmt: skip
-        got = make_g(v0, v1, None, None)
-        assert got.dtype == dtype and got.shape == (n, v1 - v0)
-        assert bool(torch.isfinite(got).all())
-        scale = float(want.abs().max())
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * scale)
-        else:  # the same fp32 value up to rounding, then one rounding to bf16
-            torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-6 * scale)
-
-
-def test_divergence_kernel_launchers_name_their_parameters():
-    from vocab_parallel.backends import triton_distill as distill
-
-    x, w = torch.randn(4, 8), torch.randn(16, 8)
-    ones = torch.ones(4)
-    common = dict(softcap=None, inv_temperature=None, ls=ones, lt=ones)
-    with pytest.raises(ValueError, match="^beta:"):
-        distill.jsd_sums(x, w, None, x, w, None, beta=1.0, **common)
-    with pytest.raises(ValueError, match="^divergence:"):
-        distill.divergence_gradient(x, w, None, x, w, None, divergence="kl", c_d=ones,
-                                    chunk_columns=16, **common)  # fmt: skip
-    with pytest.raises(ValueError, match="^coef:"):
-        distill.divergence_gradient(x, w, None, x, w, None, divergence="jsd", c_d=ones,
-                                    chunk_columns=16, **common)  # fmt: skip
-    with pytest.raises(TypeError, match="^x:"):
-        distill.jsd_sums(x, w.double(), None, x, w, None, beta=0.5, **common)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("case", [FUSED[1], FUSED[4], FUSED[5]], ids=str)
-def test_triton_fused_statistics_bitwise_deterministic(case):
+def test_triton_bitwise_deterministic(case):
     args = _problem_args(case)
     x = args.pop("hidden")
     results = []
@@ -877,16 +646,16 @@ def test_every_rank_matches_the_unsharded_reference(world):
 
 def _fused_on_two_ranks(group):
     errors = []
-    # Shards of 195/194 and 34/33 columns; the JSD's second pass and G in their kernels.
+    # Shards of 195/194 and 34/33 columns; the JSD's second pass.
     for case in (FUSED[0], FUSED[5], replace(FUSED[1], vocab=67), replace(FUSED[12], vocab=67)):
         errors += check(case, group)
     return errors
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_two_ranks_triton_fused_statistics():
-    """The two-head kernels through the collectives (the statistics, the JSD's second
-    pass, G): 2 gloo ranks with uneven shards, each rank's loss and gradients against the
+def test_two_ranks_triton():
+    """The Triton backend's chunks through the collectives (the statistics, the JSD's
+    second pass, G): 2 gloo ranks with uneven shards, each rank's loss and gradients against the
     unsharded reference."""
     errors = [e for rank in run_ranks(_fused_on_two_ranks, 2) for e in rank]
     assert errors == [], "\n".join(errors[:10])

@@ -152,7 +152,7 @@ def test_the_kernels_import_nothing_of_the_library():
     above them, whose Triton backend (``vocab_parallel.backends.triton_backend``) launches them."""
     allowed = {"triton", "torch", *sys.stdlib_module_names}
     modules = sorted((ROOT / "kernels" / "src").glob("*.py"))
-    assert {p.name for p in modules} >= {"common.py", "forward.py", "backward.py", "distill.py"}
+    assert {p.name for p in modules} >= {"common.py", "forward.py", "backward.py"}
     bad = [
         f"{path.name}:{line}: {'.' * level}{module}"
         for path in modules

@@ -37,7 +37,6 @@ MOVED = {
     "interface": "backends.interface",
     "torch_backend": "backends.torch_backend",
     "triton_backend": "backends.triton_backend",
-    "triton_distill": "backends.triton_distill",
     "memory": "engine.memory_policy",
     "objective": "engine.objective",
 }

@@ -13,7 +13,6 @@ autograd Function of the mode run on the flattened tokens and the result reduced
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vocab_parallel.engine.entry import prepare_call
-from vocab_parallel.engine.objective import Objective
+from vocab_parallel.engine.objective import Objective, resolve_mode  # noqa: F401 (its old home)
 from vocab_parallel.engine.reduction import reduce_losses
 from vocab_parallel.objectives.cross_entropy_autograd import (
     GradInForwardLinearCE,
@@ -183,33 +182,6 @@ class CrossEntropy(Objective):
     :class:`~vocab_parallel.options.LossOptions` (compared with the general entries)."""
 
     name = "cross entropy"
-
-    def mode(self, opts: LossOptions, track: bool, dtype: torch.dtype) -> str:
-        return resolve_mode(opts.mode, opts.reduction, track, dtype)
-
-
-def resolve_mode(mode: str, reduction: str, track: bool, dtype: torch.dtype | None = None) -> str:
-    """The mode that runs: ``"auto"`` and ``"grad_in_forward"`` become
-    ``"grad_in_forward"`` for a scalar loss that will be differentiated, else
-    ``"memory_saving"`` (per-token upstream gradients are not known in the forward; without
-    a backward there is nothing to compute early). ``"auto"`` also keeps fp16 inputs in
-    memory-saving mode, where GradScaler's factor reaches ``G`` before its fp16 rounding.
-    Asking for ``"grad_in_forward"`` with ``reduction="none"`` warns."""
-    if mode not in ("auto", "grad_in_forward"):
-        return mode
-    if mode == "auto" and dtype in (torch.float16, torch.float64):
-        # fp16: GradScaler's factor must reach G before its rounding. float64 (checks such
-        # as gradcheck): a second backward must equal the first bit for bit.
-        return "memory_saving"
-    if reduction != "none" and track:
-        return "grad_in_forward"
-    if mode == "grad_in_forward" and reduction == "none":
-        warnings.warn(
-            'mode="grad_in_forward" needs reduction "sum" or "mean" (per-token upstream '
-            'gradients are only known in the backward): running mode="memory_saving"',
-            stacklevel=3,
-        )
-    return "memory_saving"
 
 
 class VocabParallelLinearCrossEntropy(nn.Module):

@@ -41,6 +41,16 @@ def _number(name: str, value: object, what: str) -> float:
     return float(value)
 
 
+def check_number_in(name: str, value: object, lo: float, hi: float, open_ends: bool) -> float:
+    """``value`` as a float in ``(lo, hi)`` (``open_ends``) or ``[lo, hi]``, else a
+    ``TypeError`` / ``ValueError`` naming ``name``."""
+    number = _number(name, value, "a float")
+    if not (lo < number < hi if open_ends else lo <= number <= hi):
+        sign = "<" if open_ends else "<="
+        raise ValueError(f"{name}: expected {lo:g} {sign} {name} {sign} {hi:g}, got {value}")
+    return number
+
+
 def check_label_smoothing(label_smoothing: object) -> float:
     eps = _number("label_smoothing", label_smoothing, "a float")
     if not (0.0 <= eps < 1.0):
@@ -310,6 +320,11 @@ def shown_options(opts: LossOptions, skip: frozenset[str] = frozenset()) -> str:
 # token statistics, distillation, the LM head), written once: ``documented`` puts it
 # into their docstrings.
 SHARED_DOCS = {
+    "hidden": (
+        "``[..., H]`` fp32/fp16/bf16 (float64: torch backend), identical on every rank of the "
+        "group (this rank's tokens with ``sequence_parallel``)."
+    ),
+    "weight": "``[V_local, H]`` this rank's vocabulary rows (a ``Shard(0)`` DTensor too).",
     "process_group": ("the tensor-parallel group; ``None`` (or one rank): no collectives."),
     "vocab_start_index": (
         "first global id of this shard; default: contiguous shards in rank order (uneven sizes "

@@ -94,9 +94,7 @@ def vocab_parallel_token_stats(
     vocabulary, ``weight`` being this rank's shard of ``W``; no logits are materialised.
 
     Args:
-        hidden: ``[..., H]`` fp32/fp16/bf16 (float64: torch backend), identical on every
-            rank of the group (or this rank's tokens with ``sequence_parallel``).
-        weight: ``[V_local, H]`` this rank's vocabulary rows (a ``Shard(0)`` DTensor too).
+        {shared: hidden, weight}
         target: ``[...]`` integer global ids (the sampled tokens); ``ignore_index`` for
             none.
         {shared: process_group, vocab_start_index, global_vocab_size, softcap, bias}

@@ -5,6 +5,6 @@ Kernels only: each module holds its ``@triton.jit`` kernels, the constexprs of a
 ``scripts/aot_compile.py`` compiles); ``common`` the shared tile code and tile tables.
 They import triton, torch (for dtypes) and each other, nothing of the library: the
 launchers that validate, allocate and launch are the Triton backend's
-(``vocab_parallel.backends.triton_backend``, ``vocab_parallel.backends.triton_distill``).
+(``vocab_parallel.backends.triton_backend``).
 Importing this package needs triton; nothing queries a device.
 """

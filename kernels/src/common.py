@@ -40,9 +40,8 @@ SMEM_LIMIT = {
 AOT_TARGETS = ((8, 0), (9, 0), (10, 0))
 
 # Kernels with a tile table: those that multiply (logits recompute in the backward, the
-# forward statistics, distillation's two-head forward statistics and forward KL's G) and
-# the backward from a saved softmax (streams, no product).
-MATMUL_KERNELS = ("forward_stats", "logits_grad", "distill_stats", "distill_grad")
+# forward statistics) and the backward from a saved softmax (streams, no product).
+MATMUL_KERNELS = ("forward_stats", "logits_grad")
 STREAM_KERNELS = ("softmax_grad",)
 
 
@@ -63,8 +62,7 @@ class TileConfig:
     BLOCK_K: int
     num_warps: int
     num_stages: int
-    # PTX's .maxnreg (Triton's launch option), or None: ptxas's own choice (see
-    # REGISTER_BUDGET).
+    # PTX's .maxnreg (Triton's launch option), or None: ptxas's own choice.
     maxnreg: int | None = None
 
     def meta(self) -> dict:
@@ -104,17 +102,6 @@ _HALF_TILES = {
     ("logits_grad", 8): (128, 128, 64, 8, 4),  # triton >= 3.9; before: _OLD_TRITON_TILES
     ("logits_grad", 9): (128, 128, 64, 16, 4),
     ("logits_grad", 10): (128, 128, 64, 8, 4),
-    # Distillation's two-head forward statistics (kernels/src/distill.py): both heads' tiles
-    # and the student's tempered one live at once, so half the forward's columns; with
-    # 64 of them ptxas needs 255 registers at odd sizes on sm_80 and spills on sm_90.
-    ("distill_stats", 8): (64, 32, 32, 8, 3),
-    ("distill_stats", 9): (64, 32, 64, 8, 4),
-    ("distill_stats", 10): (64, 32, 64, 8, 4),
-    # Its forward KL's G from both heads' recomputed tiles: one tile per program, no
-    # online sums, so the forward's width fits (128 rows: above 200 registers).
-    ("distill_grad", 8): (64, 64, 32, 8, 3),
-    ("distill_grad", 9): (64, 64, 64, 8, 4),
-    ("distill_grad", 10): (64, 64, 64, 8, 4),
 }
 # Triton before 3.9 (3.6 is the oldest supported) allocates registers differently
 # (scripts/aot_compile.py on both): on sm_100 the forward tile above spills there (8-16
@@ -132,21 +119,7 @@ if _TRITON_VERSION < (3, 9):
 _FP32_TILES = {
     "forward_stats": TileConfig(32, 32, 32, 8, 3),
     "logits_grad": TileConfig(64, 64, 32, 4, 3),
-    # Two heads' FMA products: 32 columns and a 3-deep pipeline need 255 registers and
-    # spill; 16 columns unpipelined fit (with REGISTER_BUDGET; 154 at most on sm_80).
-    "distill_stats": TileConfig(32, 16, 32, 4, 1),
-    "distill_grad": TileConfig(32, 32, 32, 4, 1),  # pipelined: 255 registers (sm_80, sm_90)
 }
-
-
-# Kernels launched with an explicit register budget. Left to itself, ptxas gives the
-# distillation kernels (two heads' tile products in one loop) a budget of its own choosing
-# (64-168 registers, below what they need at some sizes) and spills 4-52 bytes of
-# loop-invariant values in a third of their fp32 variants and a few of sm_100's;
-# with ``.maxnreg 255`` it takes what each variant needs (e.g. 120 where it took 80 and
-# spilled) and none spills (``scripts/aot_compile.py --match distill``). The interpreter
-# ignores the option.
-REGISTER_BUDGET = {"distill_stats": 255, "distill_grad": 255}
 
 
 def _family(capability: tuple[int, int]) -> int:
@@ -204,8 +177,6 @@ def tile_config(
         tile = _matmul_tile(kernel, dtype, tuple(capability), rows <= SMALL_ROWS)
     else:
         raise ValueError(f"kernel: unknown kernel {kernel!r}")
-    if kernel in REGISTER_BUDGET:
-        tile = dataclasses.replace(tile, maxnreg=REGISTER_BUDGET[kernel])
     if not heavy_epilogue:
         return tile
     if kernel == "forward_stats":  # half the depth of each product step

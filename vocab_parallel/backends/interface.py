@@ -135,16 +135,9 @@ class Grads(NamedTuple):
 
 
 class Backend(Protocol):
-    """What a backend implements (inputs validated; ``local_target`` int64 ``[BT]``).
-
-    ``distill``: an optional capability, the launchers of fused distillation kernels (a
-    dense teacher's two heads in one kernel: ``distill_stats``, ``jsd_sums`` and
-    ``divergence_gradient`` of ``vocab_parallel.backends.triton_distill``), or None where the
-    backend has none (the torch backend: distillation walks :meth:`chunk_logits`' chunks,
-    ``vocab_parallel.objectives.distill``)."""
+    """What a backend implements (inputs validated; ``local_target`` int64 ``[BT]``)."""
 
     name: str
-    distill: object | None
 
     def forward_stats(
         self,

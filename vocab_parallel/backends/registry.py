@@ -3,7 +3,7 @@ runs a call (``docs/design.md``, "Backends").
 
 ``"torch"`` is ``vocab_parallel.backends.torch_backend`` (chunked PyTorch, the CPU path);
 ``"triton"`` is ``vocab_parallel.backends.triton_backend`` (the launchers of the Triton kernels,
-on CUDA or under the interpreter; its ``distill``: ``vocab_parallel.backends.triton_distill``);
+on CUDA or under the interpreter);
 ``"auto"`` picks Triton on CUDA. Backends are imported when first asked for. Only this
 registry and the options compare backend names: everything else asks the backend.
 """
@@ -29,7 +29,6 @@ class _Functions:
     forward_stats: object
     fused_backward: object
     chunk_logits: object
-    distill: object | None = None
 
 
 @functools.cache
@@ -37,11 +36,8 @@ def get_backend(name: str) -> Backend:
     """The resolved backend ``name`` (``"torch"`` or ``"triton"``)."""
     if name == "triton":
         from vocab_parallel.backends import triton_backend as tb
-        from vocab_parallel.backends import triton_distill
 
-        return _Functions(
-            "triton", tb.forward_stats, tb.fused_backward, tb.chunk_logits, triton_distill
-        )
+        return _Functions("triton", tb.forward_stats, tb.fused_backward, tb.chunk_logits)
     if name == "torch":
         from vocab_parallel.backends import torch_backend as tb
 

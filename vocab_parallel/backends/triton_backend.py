@@ -7,8 +7,6 @@ validated (the public operator validates), picks its kernel's tile for the devic
 (``vocab_parallel.kernels.common.tile_config``) and the grid, allocates, launches, and
 merges the kernel's partial results; it knows nothing of torch.distributed. The kernels
 (``kernels/src/``, installed as ``vocab_parallel.kernels``) import nothing of the library.
-The launchers of the fused distillation kernels are ``vocab_parallel.backends.triton_distill``
-(this backend's ``distill``).
 
 :func:`fused_backward` launches one chunk of ``G`` at a time (``CV`` columns); the two
 gradient GEMMs are what cuBLAS does best: they go through torch (fp32 outputs,

@@ -28,6 +28,7 @@ from vocab_parallel.parallel import sequence_parallel as _sp
 from vocab_parallel.parallel.agreement import check_agreement, fingerprint, objective_row
 from vocab_parallel.parallel.checks import check_member, check_targets
 from vocab_parallel.parallel.collectives import world_size
+from vocab_parallel.parallel.dtensor import local_tensor, token_shape
 from vocab_parallel.parallel.layout import resolve_layout
 from vocab_parallel.parallel.sharded import check_gathered
 
@@ -75,18 +76,73 @@ def autocast_inputs(*tensors):
     return tuple(cast(t) for t in tensors)
 
 
-def _check_tensors(hidden, weight, target, opts: LossOptions) -> None:
-    """The tensors of a call, against each other (messages name the parameter)."""
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_head(hidden, weight, bias, names=("hidden", "weight", "bias"), rows=None, tokens=None):
+    """A head's tensors against each other (messages name the parameters ``names``): a
+    float ``hidden [..., H]`` (of ``tokens``, when given), ``weight [V_local, H]`` of its
+    dtype (``rows`` rows, when given), ``bias`` None or ``[V_local]`` of that dtype."""
+    nh, nw, nb = names
     if not isinstance(hidden, torch.Tensor):
-        raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
-    if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"{nh}: expected a torch.Tensor, got {type(hidden).__name__}")
+    if hidden.dtype not in FLOATS:
         raise TypeError(
-            f"hidden: expected dtype float16, bfloat16, float32 or float64, got {hidden.dtype}"
+            f"{nh}: expected dtype float16, bfloat16, float32 or float64, got {hidden.dtype}"
         )
     if hidden.dim() < 1:
-        raise ValueError("hidden: expected a tensor of shape [..., H], got a 0-d tensor")
+        raise ValueError(f"{nh}: expected a tensor of shape [..., H], got a 0-d tensor")
+    if tokens is not None and tuple(hidden.shape[:-1]) != tokens:
+        raise ValueError(f"{nh}: expected the tokens {tokens} (then H), got {tuple(hidden.shape)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError("weight: expected a 2-D torch.Tensor [V_local, H]")
+        raise ValueError(f"{nw}: expected a 2-D torch.Tensor [V_local, H]")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"{nw}: dtype {weight.dtype} differs from {nh} dtype {hidden.dtype}; they must be equal"
+        )
+    if weight.shape[1] != hidden.shape[-1] or weight.shape[0] != (rows or weight.shape[0]):
+        want = f"[{rows or 'V_local'}, {hidden.shape[-1]}]"
+        raise ValueError(f"{nw}: expected shape {want}, got {tuple(weight.shape)}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{nb}: expected None or a tensor, got {type(bias).__name__}")
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(
+            f"{nb}: dtype {bias.dtype} differs from {nw} dtype {weight.dtype}; they must be equal"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"{nb}: expected shape [{weight.shape[0]}] (the rows of {nw}), got {tuple(bias.shape)}"
+        )
+
+
+def token_tensor(name: str, t, hidden, sequence_parallel: bool, kind: str, dims: int = 0):
+    """An objective's own tensor of per-token values, checked (messages name ``name``):
+    a tensor of ``kind`` (``"integer"`` or ``"floating"``) shaped like ``hidden``'s tokens
+    then ``dims`` more dims, on its device; a DTensor unwrapped as ``hidden``'s tokens are
+    (:func:`~vocab_parallel.parallel.dtensor.local_tensor`). ``hidden`` is read only where
+    it is a tensor (else its own check raises)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    t = local_tensor(t, name, sequence_parallel)
+    integer = not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+    if integer != (kind == "integer") or (kind == "floating" and not t.is_floating_point()):
+        what = "an integer" if kind == "integer" else "a floating-point"
+        raise TypeError(f"{name}: expected {what} dtype, got {t.dtype}")
+    if not isinstance(hidden, torch.Tensor):
+        return t
+    tokens = token_shape(hidden, sequence_parallel)
+    if t.dim() != len(tokens) + dims or tuple(t.shape[: len(tokens)]) != tokens:
+        more = "".join(f", d{i}" for i in range(dims))
+        raise ValueError(f"{name}: expected shape [*{tokens}{more}], got {tuple(t.shape)}")
+    if t.device != hidden.device:
+        raise ValueError(f"{name}: on device {t.device}, but hidden is on {hidden.device}")
+    return t
+
+
+def _check_tensors(hidden, weight, target, opts: LossOptions) -> None:
+    """The tensors of a call, against each other (messages name the parameter)."""
+    bias, cw, temp = opts.bias, opts.class_weight, opts.temperature
+    check_head(hidden, weight, bias)
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target: expected a torch.Tensor, got {type(target).__name__}")
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
@@ -96,26 +152,11 @@ def _check_tensors(hidden, weight, target, opts: LossOptions) -> None:
             f"target: expected shape {tuple(hidden.shape[:-1])} (hidden without its last "
             f"dim), got {tuple(target.shape)}"
         )
-    if hidden.dtype != weight.dtype:
-        raise TypeError(
-            f"weight: dtype {weight.dtype} differs from hidden dtype {hidden.dtype}; "
-            "they must be equal"
-        )
-    if weight.shape[1] != hidden.shape[-1]:
+    if cw is not None and tuple(cw.shape) != (weight.shape[0],):
         raise ValueError(
-            f"weight: expected shape [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}"
+            f"class_weight: expected shape [{weight.shape[0]}] (the rows of weight), got "
+            f"{tuple(cw.shape)}"
         )
-    bias, cw, temp = opts.bias, opts.class_weight, opts.temperature
-    if bias is not None and bias.dtype != weight.dtype:
-        raise TypeError(
-            f"bias: dtype {bias.dtype} differs from weight dtype {weight.dtype}; they must be equal"
-        )
-    for name, rows in (("bias", bias), ("class_weight", cw)):
-        if rows is not None and tuple(rows.shape) != (weight.shape[0],):
-            raise ValueError(
-                f"{name}: expected shape [{weight.shape[0]}] (the rows of weight), got "
-                f"{tuple(rows.shape)}"
-            )
     if cw is not None and not cw.is_floating_point():
         raise TypeError(f"class_weight: expected a floating-point tensor, got {cw.dtype}")
     if isinstance(temp, torch.Tensor) and tuple(temp.shape) != tuple(target.shape):

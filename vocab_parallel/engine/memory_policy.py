@@ -25,10 +25,8 @@ What each share buys (the blocks a pass holds at once):
                     of half the width with a softcap), and the Triton backend's G buffer
                     in the input dtype                                          W / 2
     "topk"          the token statistics' top-k chunk of logits                  W / 2
-    "distill"       distillation's column chunks (both heads' blocks and the math's
-                    temporaries, a handful of blocks)                            W / 8
-    "kept_block"    the dense forward KL's blocks over kept logits (both heads' and a
-                    scratch, small enough to stay in cache)                      W / 16
+    "epilogue"      an epilogue objective's column chunks (distillation: both heads'
+                    blocks and the math's temporaries, a handful of blocks)      W / 8
 
 Tests shrink the workspace with ``monkeypatch.setitem(WORKSPACE_BYTES, "cpu", n)``.
 """
@@ -44,7 +42,7 @@ DEFAULT_WORKSPACE_BYTES = 512 * MiB
 # their best rate, and taller chunks only cost memory.
 MAX_ROWS = {"cpu": 512}
 # The share of the workspace each column pass takes (the module docstring).
-SHARES = {"logits": 1 / 2, "topk": 1 / 2, "distill": 1 / 8, "kept_block": 1 / 16}
+SHARES = {"logits": 1 / 2, "topk": 1 / 2, "epilogue": 1 / 8}
 COLUMN_MULTIPLE = 128
 
 

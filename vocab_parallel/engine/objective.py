@@ -13,6 +13,7 @@ validation, agreement, sequence parallelism, layout, target checks) and returns 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ from vocab_parallel.parallel.layout import ShardLayout
 if TYPE_CHECKING:
     from vocab_parallel.parallel.sequence_parallel import TokenSlices
 
-__all__ = ["MAX_FIELDS", "OBJECTIVES", "Call", "Objective"]
+__all__ = ["MAX_FIELDS", "OBJECTIVES", "Call", "Objective", "resolve_mode"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,5 +77,30 @@ class Objective:
         rank), and its own preparation."""
 
     def mode(self, opts: LossOptions, track: bool, dtype: torch.dtype) -> str:
-        """The mode that runs (``track``: whether a backward can follow)."""
-        raise NotImplementedError
+        """The mode that runs (``track``: whether a backward can follow): the loss's
+        rule, :func:`resolve_mode`, unless the objective has its own."""
+        return resolve_mode(opts.mode, opts.reduction, track, dtype)
+
+
+def resolve_mode(mode: str, reduction: str, track: bool, dtype: torch.dtype | None = None) -> str:
+    """The mode that runs: ``"auto"`` and ``"grad_in_forward"`` become
+    ``"grad_in_forward"`` for a scalar loss that will be differentiated, else
+    ``"memory_saving"`` (per-token upstream gradients are not known in the forward; without
+    a backward there is nothing to compute early). ``"auto"`` also keeps fp16 inputs in
+    memory-saving mode, where GradScaler's factor reaches ``G`` before its fp16 rounding.
+    Asking for ``"grad_in_forward"`` with ``reduction="none"`` warns."""
+    if mode not in ("auto", "grad_in_forward"):
+        return mode
+    if mode == "auto" and dtype in (torch.float16, torch.float64):
+        # fp16: GradScaler's factor must reach G before its rounding. float64 (checks such
+        # as gradcheck): a second backward must equal the first bit for bit.
+        return "memory_saving"
+    if reduction != "none" and track:
+        return "grad_in_forward"
+    if mode == "grad_in_forward" and reduction == "none":
+        warnings.warn(
+            'mode="grad_in_forward" needs reduction "sum" or "mean" (per-token upstream '
+            'gradients are only known in the backward): running mode="memory_saving"',
+            stacklevel=3,
+        )
+    return "memory_saving"

@@ -62,9 +62,7 @@ def local_targets(
     """``(local_target, ignored)``: each token's column in this rank's shard (int64, -1
     where its target is elsewhere or ignored) and whether it is ignored."""
     ignored = target == ignore_index
-    local = target - layout.start
-    here = (local >= 0) & (local < layout.size) & ~ignored
-    return torch.where(here, local, -1), ignored
+    return layout.columns(target).masked_fill(ignored, -1), ignored
 
 
 def forward_stats(

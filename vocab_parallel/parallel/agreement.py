@@ -88,6 +88,16 @@ def _checksum(t: torch.Tensor) -> list:
     return [per_row.sum(), (per_row * ramp).sum()]
 
 
+def checksum_fields(parameter: str, t: torch.Tensor) -> list[tuple[str, str, object]]:
+    """An objective's agreement entries of a tensor every rank must hold alike: its two
+    checksums (:func:`_checksum`), named by ``parameter``."""
+    sums = _checksum(t)
+    return [
+        ("values (checksum)", parameter, sums[0]),
+        ("values (position checksum)", parameter, sums[1]),
+    ]
+
+
 # What is compared, in the order of the row every rank sends (the same length on every
 # rank: entries that do not apply are 0 on every rank), and the parameter an error names.
 FIELDS = (

@@ -109,6 +109,31 @@ def weight_shard(weight) -> VocabShard:
     return VocabShard(mesh.get_group(), int(offset[0]), int(shape[0]), int(weight.shape[0]))
 
 
+def token_shape(hidden, sequence_parallel: bool) -> tuple:
+    """The token dims of ``hidden`` as a call sees them (a sharded DTensor's local tokens
+    under sequence parallelism, else its global ones)."""
+    if is_dtensor(hidden) and sequence_parallel and not _is_replicate(hidden.placements[0]):
+        return tuple(hidden.to_local().shape[:-1])
+    return tuple(hidden.shape[:-1])
+
+
+def local_tensor(t, name: str, sequence_parallel: bool = False, rows: bool = False):
+    """An objective's own tensor argument as a plain tensor: a DTensor of vocabulary rows
+    (``rows``: a weight or bias, placed Shard(0) on a 1-D mesh) gives its local rows, one
+    of tokens its local tokens under sequence parallelism (else all of them); anything
+    else is returned as it is."""
+    if not is_dtensor(t):
+        return t
+    p = t.placements[0]
+    if rows:
+        if t.device_mesh.ndim != 1 or not _is_shard(p, 0, t.dim()):
+            raise ValueError(f"{name}: a DTensor placed {p!r}; expected Shard(0) on a 1-D mesh")
+        return t.to_local()
+    if _is_replicate(p) or sequence_parallel:
+        return t.to_local()
+    return t.full_tensor()
+
+
 def _check_stated(name: str, stated: Any, actual: Any, shown: str) -> None:
     if stated is not None and stated != actual:
         raise ValueError(f"{name}: {stated!r}, but the DTensor weight says {shown}")

@@ -54,6 +54,11 @@ class ShardLayout:
     size: int  # rows of this shard
     global_size: int  # rows over all shards of the group
 
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global token ids as this shard's columns (int64; -1 where on another shard)."""
+        local = ids - self.start
+        return torch.where((local >= 0) & (local < self.size), local, -1)
+
 
 # Layouts already exchanged and checked: (group id, start, size, global size, tokens).
 _CHECKED: set[tuple] = set()

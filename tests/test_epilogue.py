@@ -74,16 +74,17 @@ class ZLossCE(Epilogue):
         return add_at(g, self.target, -grad, v0, v1)
 
 
-def _reference(x, w, b, y):
+def _reference(x, w, b, y, softcap=None):
     z = (x.double() @ w.double().T) + b.double()
+    z = z if softcap is None else softcap * torch.tanh(z / softcap)
     lse = torch.logsumexp(z, dim=1)
     per = F.cross_entropy(z, y, reduction="none", ignore_index=-100) + Z_LOSS * lse.square()
     return (per * (y != -100)).sum() / (y != -100).sum()
 
 
-def _run(x, w, b, y, mode, backend="torch", group=None, start=0, vg=None):
+def _run(x, w, b, y, mode, backend="torch", group=None, start=0, vg=None, softcap=None):
     vg = vg or w.shape[0]
-    opts = LossOptions(mode=mode, backend=backend)
+    opts = LossOptions(mode=mode, backend=backend, softcap=softcap)
     call = Call(opts, group, ShardLayout(start, w.shape[0], vg), backend, mode, track=True)
     local = y - start
     ignored = y == -100
@@ -110,16 +111,17 @@ def _grads(loss, *inputs):
 BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
 
 
+@pytest.mark.parametrize("softcap", [None, 4.0])  # the engine's chain rule through the cap
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["memory_saving", "high_performance", "grad_in_forward"])
-def test_an_objective_of_math_alone_runs_every_mode(mode, backend, monkeypatch):
+def test_an_objective_of_math_alone_runs_every_mode(mode, backend, softcap, monkeypatch):
     monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", 1)  # 128-column chunks: 4 of them
     x, w, b, y = _problem()
     x64, w64, b64 = (t.double().requires_grad_(True) for t in (x, w, b))
-    want = _reference(x64, w64, b64, y)
+    want = _reference(x64, w64, b64, y, softcap)
     want_grads = _grads(want, x64, w64, b64)
     inputs = [t.clone().requires_grad_(True) for t in (x, w, b)]
-    loss = _run(*inputs, y, mode, backend)
+    loss = _run(*inputs, y, mode, backend, softcap=softcap)
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
     got = [torch.autograd.grad(loss, inputs, retain_graph=True)]
     got.append(torch.autograd.grad(loss, inputs))  # a second backward: recomputed

@@ -18,9 +18,8 @@ import torch.distributed as dist
 
 from vocab_parallel.engine import precision
 from vocab_parallel.engine.entry import autocast_inputs, check_head, prepare_call, token_tensor
-from vocab_parallel.engine.functions import ChunkedLoss, GradInForwardLoss
+from vocab_parallel.engine.functions import epilogue_loss
 from vocab_parallel.engine.objective import Call, Objective
-from vocab_parallel.engine.reduction import reduce_losses
 from vocab_parallel.objectives.distill import DIVERGENCES, Divergence, Spec, Teacher
 from vocab_parallel.options import LossOptions, PendingOptions, check_number_in, documented
 from vocab_parallel.parallel import sequence_parallel as _sp
@@ -168,17 +167,9 @@ def run_distillation(
     raises on every rank alike); ``given``: the teacher's tensors by name."""
     objective = Distillation(hidden, weight, given, target, divergence, beta, hard_label_weight)
     # target None (no hard labels): every token counts, the engine's checks see zeros
-    call, h2, weight, bias, t1, slices, shape = prepare_call(
-        hidden, weight, target, opts, process_group, objective
+    return epilogue_loss(
+        objective, prepare_call(hidden, weight, target, opts, process_group, objective)
     )
-    ep = objective.epilogue(call, t1, h2.dtype)
-    if call.mode == "grad_in_forward":
-        needs = tuple(t is not None and t.requires_grad for t in (h2, weight, bias))
-        return GradInForwardLoss.apply(h2, weight, bias, call, ep, needs)
-    losses, weights = ChunkedLoss.apply(h2, weight, bias, call, ep)
-    if call.opts.reduction == "none":
-        losses = _sp.own_tokens(losses, slices).reshape(shape)
-    return reduce_losses(losses, weights, call.opts.reduction)
 
 
 class Distillation(Objective):
@@ -230,19 +221,17 @@ class Distillation(Objective):
             _check_topk(self.teacher, target, self.spec, call)
 
     def epilogue(self, call: Call, target: torch.Tensor, dtype) -> Divergence:
-        """The call's math on this rank's shard (``target``: the call's tokens')."""
         spec, layout, opts = self.spec, call.layout, call.opts
         ignored = target == opts.ignore_index if spec.has_target else torch.zeros_like(target) > 0
         local_target = layout.columns(target).masked_fill(ignored, -1) if spec.ce else None
         ids = layout.columns(self.teacher.ids) if spec.sparse else None
         accum, inv_t = precision.accumulate_dtype(dtype), call.inv_temperature
-        args = (local_target, ids, inv_t, ignored, layout.size, opts.softcap, accum)
+        args = (local_target, ids, inv_t, ignored, layout.size, accum)
         return Divergence(spec, self.teacher, *args)
 
 
 def _gather_teacher(checked: dict, spec: Spec, slices, accum) -> Teacher:
-    """The teacher's tensors flattened to the call's tokens (gathered under sequence
-    parallelism), autocast like the student's, detached; top-k log-probs in ``accum``."""
+    """The teacher's tensors as the call's flat (gathered) tokens, autocast, detached."""
 
     def rows(t, width):
         t = t.detach().reshape(-1, width)
@@ -258,9 +247,8 @@ def _gather_teacher(checked: dict, spec: Spec, slices, accum) -> Teacher:
 
 
 def _check_topk(teacher: Teacher, target: torch.Tensor, spec: Spec, call: Call) -> None:
-    """Top-k ids in the global vocabulary and distinct, log-probs not NaN nor above 0 by
-    more than rounding, per token (ignored tokens are not read); the same tensors on every
-    rank (replicated, or gathered), so the same error everywhere."""
+    """Top-k ids in the global vocabulary and distinct, log-probs not NaN nor summing
+    above 1, per non-ignored token: the same tensors (so errors) on every rank."""
     ids, lps, vg = teacher.ids, teacher.logprobs, call.layout.global_size
     if spec.has_target:
         ids, lps = ids[target != call.opts.ignore_index], lps[target != call.opts.ignore_index]

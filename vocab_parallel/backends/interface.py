@@ -46,6 +46,13 @@ class Logits:
     softcap: float | None = None
     inv_temperature: torch.Tensor | None = None
 
+    def through_cap(self, g: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``g`` (a gradient w.r.t. the capped logits ``z``, before any temperature) times
+        ``dz/dr = 1 - (z / c)^2``, in place; as it is without a cap."""
+        if self.softcap is not None:
+            g.mul_(torch.div(z, self.softcap).square_().neg_().add_(1.0))
+        return g
+
 
 PLAIN = Logits()
 

@@ -28,6 +28,7 @@ read from them afterwards.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -50,14 +51,15 @@ class Local(NamedTuple):
 
 
 class HeadChunks:
-    """The heads' capped logits ``cap(x @ W.T + b)`` (untempered: the epilogue divides by
-    the temperature) of ``rows`` tokens over this shard's ``v`` columns, chunk by chunk, in
-    ``accum`` (fp32; float64 for float64 inputs). ``kept``: one ``[rows, v]`` block per head,
-    written by the first walk and read by every later one (else recomputed each time)."""
+    """The heads' logits as ``logits`` makes them from each head's operands (its bias
+    each head's own; untempered: the epilogue divides by the temperature) of ``rows``
+    tokens over this shard's ``v`` columns, chunk by chunk, in ``accum`` (fp32; float64
+    for float64 inputs). ``kept``: one ``[rows, v]`` block per head, written by the first
+    walk and read by every later one (else recomputed each time)."""
 
-    def __init__(self, backend, heads: list[Operands], softcap, accum, kept=None):
+    def __init__(self, backend, heads: list[Operands], logits: Logits, accum, kept=None):
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
-        self.heads, self.softcap, self.accum = heads, softcap, accum
+        self.heads, self.logits, self.accum = heads, logits, accum
         self.kept, self.filled = kept, False
         self.rows, self.v = heads[0][0].shape[0], heads[0][1].shape[0]
         self.width = memory.columns(self.rows, self.v, heads[0][0].device.type, "epilogue")
@@ -68,9 +70,9 @@ class HeadChunks:
         if self.kept is not None and self.filled:
             return [k[:, v0:v1] for k in self.kept]
         if self._make is None:
-            make = self.backend.chunk_logits
+            make, logits = self.backend.chunk_logits, self.logits
             self._make = [
-                make(x, w, Logits(b, self.softcap), dtype=self.accum) for x, w, b in self.heads
+                make(x, w, replace(logits, bias=b), dtype=self.accum) for x, w, b in self.heads
             ]
         outs = [None] * len(self.heads) if self.kept is None else self.kept
         pairs = zip(self._make, outs, strict=True)
@@ -84,6 +86,22 @@ class HeadChunks:
                 v1 = min(self.v, v0 + self.width)
                 yield v0, v1, self.chunk(v0, v1)
         self.filled = self.kept is not None
+
+
+class Scratch:
+    """Temporaries reused from chunk to chunk of a walk (on a CPU a fresh block of
+    several MiB costs its page faults every time): ``scratch(i, like)`` is buffer ``i``
+    shaped like ``like`` (made at the first, widest, chunk)."""
+
+    def __init__(self):
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def __call__(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        b = self.buffers.get(i)
+        rows, cols = like.shape
+        if b is None or b.shape[0] != rows or b.shape[1] < cols or b.dtype != like.dtype:
+            b = self.buffers[i] = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return b[:, :cols]
 
 
 class Epilogue:
@@ -126,8 +144,10 @@ class Epilogue:
         raise NotImplementedError
 
     def gradient(self, terms, v0: int, v1: int, logits: list[torch.Tensor], grad: torch.Tensor):
-        """``G`` of columns ``[v0, v1)``: ``d loss_i / d r_ij`` (``r``: the student's raw
-        logits) times ``grad`` (per token, 0 where ignored); ``logits`` are read only."""
+        """``G`` of columns ``[v0, v1)``: ``d loss_i / d z_ij`` (``z``: the student's capped
+        logits, ``logits[0]``; the engine chains it through the cap) times ``grad`` (per
+        token, 0 where ignored), a tensor the engine may overwrite; ``logits`` are read
+        only."""
         raise NotImplementedError
 
 

@@ -17,6 +17,8 @@ Only ``hidden``, ``weight`` and ``bias`` (the student's) get gradients.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from vocab_parallel.backends.interface import Outputs
@@ -25,23 +27,27 @@ from vocab_parallel.engine.autograd import guarded_backward, no_autocast, sum_gr
 from vocab_parallel.engine.chunking import gradient_products
 from vocab_parallel.engine.epilogue import Epilogue, HeadChunks, cat_terms, statistics
 from vocab_parallel.engine.grad_in_forward import hand_out, outputs, walk_token_chunks
-from vocab_parallel.engine.objective import Call
-from vocab_parallel.engine.reduction import mean_denominator
+from vocab_parallel.engine.objective import Call, Objective
+from vocab_parallel.engine.reduction import mean_denominator, reduce_losses
+from vocab_parallel.parallel import sequence_parallel as _sp
 from vocab_parallel.parallel.collectives import world_size
 
 
 def _chunks(call: Call, ep: Epilogue, hidden, weight, bias, kept=None) -> HeadChunks:
     accum = precision.accumulate_dtype(hidden.dtype)
     heads = ep.operands(hidden, weight, bias)
-    return HeadChunks(call.backend, heads, call.opts.softcap, accum, kept)
+    untempered = replace(call.logits(None), inv_temperature=None)
+    return HeadChunks(call.backend, heads, untempered, accum, kept)
 
 
 def _products(ep: Epilogue, terms, chunks: HeadChunks, hidden, weight, bias, grad, out):
-    """The student's gradients of these tokens: the epilogue's ``G``, chunk by chunk (the
-    walker's widths), through the engine's two products (and the bias' sum)."""
+    """The student's gradients of these tokens: the epilogue's ``G`` (through the cap),
+    chunk by chunk (the walker's widths), through the engine's two products (and the
+    bias' sum)."""
 
     def make_g(v0, v1, x_op, w_op):
-        return ep.gradient(terms, v0, v1, chunks.chunk(v0, v1), grad)
+        logits = chunks.chunk(v0, v1)
+        return chunks.logits.through_cap(ep.gradient(terms, v0, v1, logits, grad), logits[0])
 
     bias_dtype = hidden.dtype if bias is None else bias.dtype
     with precision.cpu_bf16_math(hidden.dtype, hidden.device.type):
@@ -149,3 +155,19 @@ class GradInForwardLoss(torch.autograd.Function):
             return _backward(ctx.call, ctx.ep, ctx.terms, hidden, weight, bias, grad, need)
 
         return (*hand_out(ctx, grad_loss, recompute), None, None, None)
+
+
+def epilogue_loss(objective: Objective, prepared):
+    """The loss of an epilogue objective's prepared call (``prepared``: the entry's
+    ``Prepared``): its epilogue (:meth:`~vocab_parallel.engine.objective.Objective.epilogue`)
+    in the Function of the call's mode, reduced as the call asks (``"none"``: this rank's
+    tokens, in their shape)."""
+    call, hidden, weight, bias, target, slices, shape = prepared
+    ep = objective.epilogue(call, target, hidden.dtype)
+    if call.mode == "grad_in_forward":
+        needs = tuple(t is not None and t.requires_grad for t in (hidden, weight, bias))
+        return GradInForwardLoss.apply(hidden, weight, bias, call, ep, needs)
+    losses, weights = ChunkedLoss.apply(hidden, weight, bias, call, ep)
+    if call.opts.reduction == "none":
+        losses = _sp.own_tokens(losses, slices).reshape(shape)
+    return reduce_losses(losses, weights, call.opts.reduction)

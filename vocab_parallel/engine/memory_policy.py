@@ -42,7 +42,7 @@ DEFAULT_WORKSPACE_BYTES = 512 * MiB
 # their best rate, and taller chunks only cost memory.
 MAX_ROWS = {"cpu": 512}
 # The share of the workspace each column pass takes (the module docstring).
-SHARES = {"logits": 1 / 2, "topk": 1 / 2, "epilogue": 1 / 8}
+SHARES = {"logits": 1 / 2, "topk": 1 / 2, "epilogue": 1 / 16}
 COLUMN_MULTIPLE = 128
 
 

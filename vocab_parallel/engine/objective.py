@@ -76,6 +76,13 @@ class Objective:
         objective's checks that need the layout or the gathered tokens (the same on every
         rank), and its own preparation."""
 
+    def epilogue(self, call: Call, target: torch.Tensor, dtype: torch.dtype):
+        """The objective's math on this rank's shard, where it is an
+        :class:`~vocab_parallel.engine.epilogue.Epilogue` (``target``: the call's flat,
+        gathered targets; ``dtype``: the inputs'): what ``vocab_parallel.engine.functions``
+        runs."""
+        raise NotImplementedError(f"{self.name} is not an epilogue objective")
+
     def mode(self, opts: LossOptions, track: bool, dtype: torch.dtype) -> str:
         """The mode that runs (``track``: whether a backward can follow): the loss's
         rule, :func:`resolve_mode`, unless the objective has its own."""

@@ -34,10 +34,12 @@ class Online:
         self.s = torch.zeros(rows, dtype=accum, device=device)
         self.extra = [torch.zeros_like(self.s) for _ in range(extras)]
 
-    def add(self, y: torch.Tensor, *terms: torch.Tensor) -> None:
+    def add(self, y: torch.Tensor, *terms: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """Add the columns ``y`` (and sums of ``e^(y - m)`` times each term); ``out``: a
+        buffer shaped like ``y`` for the exponentials (else a new one)."""
         new = torch.maximum(self.m, y.amax(dim=1))
         decay = torch.exp(self.m - new)
-        e = torch.sub(y, new[:, None]).exp_()
+        e = torch.sub(y, new[:, None], out=out).exp_()
         self.s = self.s * decay + e.sum(dim=1)
         for i, t in enumerate(terms):
             self.extra[i] = self.extra[i] * decay + weighted_sum(e, t)

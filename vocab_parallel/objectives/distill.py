@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from vocab_parallel.engine.epilogue import Epilogue, Local, add_at, chunk_mask, cut, pick
+from vocab_parallel.engine.epilogue import Epilogue, Local, Scratch, add_at, chunk_mask, cut, pick
 from vocab_parallel.engine.online import Online, weighted_sum
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -35,9 +35,8 @@ class Spec:
 
 
 class Teacher(NamedTuple):
-    """The teacher of the call's (gathered) tokens: dense (``hidden [N, Ht]``, ``weight
-    [V_local, Ht]``, ``bias``) or top-k (``ids [N, k]`` global int64, ``logprobs [N, k]``
-    in the statistics' dtype). No gradient reaches any of them."""
+    """The teacher of the call's tokens: dense (``hidden [N, Ht]``, ``weight [V_local,
+    Ht]``, ``bias``) or top-k (``ids [N, k]`` global, ``logprobs [N, k]``); no gradient."""
 
     hidden: torch.Tensor | None = None
     weight: torch.Tensor | None = None
@@ -65,17 +64,15 @@ class Divergence(Epilogue):
     """Distillation on this rank's shard: ``target`` ``[N]`` local target columns (-1
     elsewhere; None without the CE), ``ids`` the teacher's local top-k columns ``[N, k]``
     (-1 elsewhere), ``inv_t`` fp32 ``[N]`` or None, ``ignored`` ``[N]``, ``v`` the shard's
-    columns, ``softcap`` the logits' cap, ``accum`` the statistics' dtype."""
+    columns, ``accum`` the statistics' dtype."""
 
     sums_name = "distillation sums"
 
-    def __init__(
-        self, spec: Spec, teacher: Teacher, target, ids, inv_t, ignored, v, softcap, accum
-    ):
+    def __init__(self, spec: Spec, teacher: Teacher, target, ids, inv_t, ignored, v, accum):
         self.spec, self.teacher, self.target, self.ids = spec, teacher, target, ids
         self.inv_t, self.ignored, self.v = inv_t, ignored, v
-        self.softcap, self.accum = softcap, accum
-        self.heads = 1 if spec.sparse else 2
+        self.accum = accum
+        self.heads, self.tmp = 1 if spec.sparse else 2, Scratch()
 
     def operands(self, x, weight, bias):
         t = self.teacher
@@ -85,7 +82,7 @@ class Divergence(Epilogue):
         t = self.teacher
         teacher = Teacher(cut(t.hidden, r0, r1), t.weight, t.bias, *(cut(x, r0, r1) for x in t[3:]))
         rows = [cut(x, r0, r1) for x in (self.target, self.ids, self.inv_t, self.ignored)]
-        return Divergence(self.spec, teacher, *rows, self.v, self.softcap, self.accum)
+        return Divergence(self.spec, teacher, *rows, self.v, self.accum)
 
     def _tempered(self, y):
         return y if self.inv_t is None else y * self.inv_t[:, None]
@@ -106,9 +103,11 @@ class Divergence(Epilogue):
                 at_ids += pick(u, self.ids, v0, v1)
                 out.add(u.masked_fill(chunk_mask(self.ids, v0, v1), -math.inf))
             else:  # the KLs' sums of e^(y - m) times the log-ratio of their own side
-                vt = self._tempered(zs[1])
-                stu.add(u, *([u - vt] if div == "reverse_kl" else []))
-                tea.add(vt, *([vt - u] if div == "forward_kl" else []))
+                vt, tmp = self._tempered(zs[1]), self.tmp
+                ratio = [torch.sub(u, vt, out=tmp(1, u))] if div == "reverse_kl" else []
+                stu.add(u, *ratio, out=tmp(0, u))
+                ratio = [torch.sub(vt, u, out=tmp(1, u))] if div == "forward_kl" else []
+                tea.add(vt, *ratio, out=tmp(0, u))
             if spec.ce:
                 predicted += pick(z, self.target, v0, v1)
                 if ce is not None:
@@ -169,36 +168,47 @@ class Divergence(Epilogue):
         return terms.d if a == 0.0 else (1.0 - a) * terms.d + a * terms.ce
 
     def gradient(self, terms: Terms, v0, v1, logits, grad):
-        """``G = (1 - a) g / T dD/du + a g (p1 - onehot)``, times ``cap'(r)``: ``dD/du``
+        """``G = (1 - a) g / T dD/du + a g (p1 - onehot)``: ``dD/du``
         forward KL ``p_s - p_t``; reverse KL ``p_s (u - v + coef)``; JSD ``(1 - beta) p_s
         (log p_s - log m - coef)``; top-k ``p_s - q`` at the ids, ``p_s - e^(log p_s +
-        coef)`` off them."""
+        coef)`` off them; ``p1 = softmax(z)`` (``p_s`` without a temperature)."""
         spec, z = self.spec, logits[0]
         a, u = spec.hard_label_weight, self._tempered(z)
+        c_d = (grad * (1.0 - a) if self.inv_t is None else grad * (1.0 - a) * self.inv_t)[:, None]
+        c_ce = grad * a if spec.ce else None
+        one_p = c_ce is not None and terms.l1 is None  # p1 = p_s
+        if spec.divergence == "forward_kl" and not spec.sparse:  # in place, two blocks
+            g = torch.sub(u, terms.ls[:, None], out=self.tmp(0, u)).exp_()
+            pt = torch.sub(self._tempered(logits[1]), terms.lt[:, None], out=self.tmp(1, u)).exp_()
+            if one_p:
+                g.mul_(c_d + c_ce[:, None]).sub_(pt.mul_(c_d))
+            else:
+                g.sub_(pt).mul_(c_d)
+        else:
+            g = self._divergence(terms, u, logits, v0, v1).mul_(c_d)
+            if one_p:
+                g.add_(torch.sub(u, terms.ls[:, None]).exp_().mul_(c_ce[:, None]))
+        if c_ce is not None and not one_p:
+            g.add_(torch.sub(z, terms.l1[:, None]).exp_().mul_(c_ce[:, None]))
+        if c_ce is not None:
+            add_at(g, self.target, -c_ce, v0, v1)
+        return g
+
+    def _divergence(self, terms: Terms, u, logits, v0, v1):
+        """``dD/du`` of the reverse KL, the JSD and the top-k teacher."""
+        spec = self.spec
         ls = u - terms.ls[:, None]
         ps = torch.exp(ls)
         if spec.sparse:  # off the ids: e^(log p_s + coef) (p_s may underflow where 1 - P does)
             off = ls.add_(terms.coef[:, None]).exp_().masked_fill_(chunk_mask(self.ids, v0, v1), 0)
-            g = add_at(torch.sub(ps, off, out=off), self.ids, -terms.q, v0, v1)
-        else:
-            vt = self._tempered(logits[1])
-            lt = vt - terms.lt[:, None]
-            if spec.divergence == "forward_kl":
-                g = ps - torch.exp(lt)
-            elif spec.divergence == "reverse_kl":
-                g = ps * torch.where(ps > 0, (u - vt) + terms.coef[:, None], 0.0)
-            else:
-                lm = torch.logaddexp(lt + math.log(spec.beta), ls + math.log1p(-spec.beta))
-                g = (1.0 - spec.beta) * ps * torch.where(ps > 0, ls - lm - terms.coef[:, None], 0)
-        scale = grad * (1.0 - a)
-        g.mul_((scale if self.inv_t is None else scale * self.inv_t)[:, None])
-        if spec.ce:
-            c = grad * a
-            p1 = ps if terms.l1 is None else torch.exp(z - terms.l1[:, None])
-            g.add_(add_at(p1.mul_(c[:, None]), self.target, -c, v0, v1))
-        if self.softcap is not None:  # times cap'(r) = 1 - (z / c)^2
-            g.mul_(torch.div(z, self.softcap).square_().neg_().add_(1.0))
-        return g
+            return add_at(torch.sub(ps, off, out=off), self.ids, -terms.q, v0, v1)
+        vt = self._tempered(logits[1])
+        if spec.divergence == "reverse_kl":
+            return ps * torch.where(ps > 0, (u - vt) + terms.coef[:, None], 0.0)
+        lm = torch.logaddexp(
+            vt - terms.lt[:, None] + math.log(spec.beta), ls + math.log1p(-spec.beta)
+        )
+        return (1.0 - spec.beta) * ps * torch.where(ps > 0, ls - lm - terms.coef[:, None], 0.0)
 
 
 def _topk(lp, ls_ids, log_out, has_outside):

@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from vocab_parallel.engine import precision
 from vocab_parallel.engine.entry import autocast_inputs, check_head, prepare_call, token_tensor
-from vocab_parallel.engine.functions import epilogue_loss
+from vocab_parallel.engine.functions import ChunkedLoss, GradInForwardLoss
 from vocab_parallel.engine.objective import Call, Objective
+from vocab_parallel.engine.reduction import reduce_losses
 from vocab_parallel.objectives.distill import DIVERGENCES, Divergence, Spec, Teacher
 from vocab_parallel.options import LossOptions, PendingOptions, check_number_in, documented
 from vocab_parallel.parallel import sequence_parallel as _sp
@@ -167,9 +168,15 @@ def run_distillation(
     raises on every rank alike); ``given``: the teacher's tensors by name."""
     objective = Distillation(hidden, weight, given, target, divergence, beta, hard_label_weight)
     # target None (no hard labels): every token counts, the engine's checks see zeros
-    return epilogue_loss(
-        objective, prepare_call(hidden, weight, target, opts, process_group, objective)
-    )
+    prep = prepare_call(hidden, weight, target, opts, process_group, objective)
+    (call, h2, weight, bias, t1, slices, shape), opts = prep, prep.call.opts
+    if call.mode == "grad_in_forward":
+        needs = tuple(t is not None and t.requires_grad for t in (h2, weight, bias))
+        return GradInForwardLoss.apply(h2, weight, bias, call, objective, t1, needs)
+    losses, weights = ChunkedLoss.apply(h2, weight, bias, call, objective, t1)
+    if opts.reduction == "none":
+        losses = _sp.own_tokens(losses, slices).reshape(shape)
+    return reduce_losses(losses, weights, opts.reduction)
 
 
 class Distillation(Objective):

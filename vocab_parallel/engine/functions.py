@@ -1,5 +1,6 @@
 """The autograd Functions of every :class:`~vocab_parallel.engine.epilogue.Epilogue`
-objective, written once (``docs/design.md``, "The engine"): the objective brings its math,
+objective, written once (``docs/design.md``, "The engine"): the objective brings its math
+(:meth:`~vocab_parallel.engine.objective.Objective.epilogue`, asked for in the forward),
 these bring the modes.
 
     memory_saving      forward: the statistics over recomputed chunks (nothing
@@ -28,8 +29,7 @@ from vocab_parallel.engine.chunking import gradient_products
 from vocab_parallel.engine.epilogue import Epilogue, HeadChunks, cat_terms, statistics
 from vocab_parallel.engine.grad_in_forward import hand_out, outputs, walk_token_chunks
 from vocab_parallel.engine.objective import Call, Objective
-from vocab_parallel.engine.reduction import mean_denominator, reduce_losses
-from vocab_parallel.parallel import sequence_parallel as _sp
+from vocab_parallel.engine.reduction import mean_denominator
 from vocab_parallel.parallel.collectives import world_size
 
 
@@ -75,8 +75,9 @@ class ChunkedLoss(torch.autograd.Function):
     differentiable)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, call: Call, ep: Epilogue):
+    def forward(ctx, hidden, weight, bias, call: Call, objective: Objective, target):
         with no_autocast(hidden.device.type):
+            ep = objective.epilogue(call, target, hidden.dtype)
             keep = call.track and call.mode == "high_performance"
             n, v = hidden.shape[0], weight.shape[0]
             accum = precision.accumulate_dtype(hidden.dtype)
@@ -103,7 +104,7 @@ class ChunkedLoss(torch.autograd.Function):
             args = (ctx.call, ctx.ep, ctx.terms, hidden, weight, bias, grad, need)
             return _backward(*args, kept or None)
 
-        return (*guarded_backward(ctx, grad_loss, compute), None, None)
+        return (*guarded_backward(ctx, grad_loss, compute), None, None, None)
 
 
 class GradInForwardLoss(torch.autograd.Function):
@@ -113,8 +114,9 @@ class GradInForwardLoss(torch.autograd.Function):
     and ``G``. The backward scales the saved gradients by the upstream scalar."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, call: Call, ep: Epilogue, needs):
+    def forward(ctx, hidden, weight, bias, call: Call, objective: Objective, target, needs):
         with no_autocast(hidden.device.type):
+            ep = objective.epilogue(call, target, hidden.dtype)
             accum = precision.accumulate_dtype(hidden.dtype)
             weights = (~ep.ignored).to(accum)
             token_grad = weights.clone()
@@ -154,20 +156,4 @@ class GradInForwardLoss(torch.autograd.Function):
             grad = token_grad * grad_loss.to(token_grad.dtype)
             return _backward(ctx.call, ctx.ep, ctx.terms, hidden, weight, bias, grad, need)
 
-        return (*hand_out(ctx, grad_loss, recompute), None, None, None)
-
-
-def epilogue_loss(objective: Objective, prepared):
-    """The loss of an epilogue objective's prepared call (``prepared``: the entry's
-    ``Prepared``): its epilogue (:meth:`~vocab_parallel.engine.objective.Objective.epilogue`)
-    in the Function of the call's mode, reduced as the call asks (``"none"``: this rank's
-    tokens, in their shape)."""
-    call, hidden, weight, bias, target, slices, shape = prepared
-    ep = objective.epilogue(call, target, hidden.dtype)
-    if call.mode == "grad_in_forward":
-        needs = tuple(t is not None and t.requires_grad for t in (hidden, weight, bias))
-        return GradInForwardLoss.apply(hidden, weight, bias, call, ep, needs)
-    losses, weights = ChunkedLoss.apply(hidden, weight, bias, call, ep)
-    if call.opts.reduction == "none":
-        losses = _sp.own_tokens(losses, slices).reshape(shape)
-    return reduce_losses(losses, weights, call.opts.reduction)
+        return (*hand_out(ctx, grad_loss, recompute), None, None, None, None)

@@ -123,7 +123,7 @@ def test_the_checkout_never_shadows_a_top_level_kernels(tmp_path):
         # package either way, never a folder of this checkout.
         assert kernels.__file__ is not None, kernels
         assert not kernels.__file__.startswith({str(ROOT / "kernels")!r}), kernels
-        from vocab_parallel.kernels import backward, common, distill, forward
+        from vocab_parallel.kernels import backward, common, forward
         assert forward.__name__ == "vocab_parallel.kernels.forward"
         """
     )

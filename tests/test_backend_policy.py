@@ -98,6 +98,28 @@ def test_the_cuda_gemm_call_is_well_formed(monkeypatch):
     assert precision.addmm_fp32_(acc, a, b, scratch=torch.empty_like(acc)) is acc
 
 
+def test_grad_weight_accumulates_inside_the_gemm_where_torch_can(monkeypatch):
+    """The CUDA branch of ``addmm_fp32_`` (``torch.addmm(acc, a, b, out_dtype=fp32,
+    out=acc)``: the product added inside the GEMM, no fp32 product in memory and no
+    second pass), on meta tensors; the probe says no on CPU, and where it says no the
+    product goes through a scratch buffer (the CPU test above)."""
+    assert not precision.addmm_out_dtype_supported("cpu")
+    calls = []
+    real_addmm = torch.addmm
+
+    def addmm(*args, **kwargs):
+        calls.append(kwargs.get("out_dtype"))
+        return real_addmm(*args, **kwargs)
+
+    monkeypatch.setattr(precision, "addmm_out_dtype_supported", lambda device_type: True)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    a = torch.empty(8, 16, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(16, 4, dtype=torch.bfloat16, device="meta")
+    acc = torch.zeros(8, 4, device="meta")
+    assert precision.addmm_fp32_(acc, a, b, scratch=None) is acc
+    assert calls == [torch.float32]
+
+
 def _cuda_policy(monkeypatch):
     """Make CPU tensors take the CUDA branch: half operands into a GEMM with fp32 output
     (emulated on CPU by the exact fp32 upcast, as ``mm_fp32`` does without ``out_dtype``)."""

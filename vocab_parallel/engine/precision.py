@@ -49,10 +49,16 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# Device types whose GEMMs take half operands and return fp32 (cuBLAS); elsewhere half
+# operands are upcast exactly to fp32. (The launch counter, ``benchmarks/launches.py``,
+# adds "meta" to model a GPU.)
+CUDA_GEMMS = {"cuda"}
+
+
 def operand_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
     """The dtype the operands of a product are handed to the GEMM in, for inputs of
     ``dtype`` on a device of type ``device_type`` ("cuda", "cpu", ...): the policy."""
-    if dtype in _HALF and device_type == "cuda":
+    if dtype in _HALF and device_type in CUDA_GEMMS:
         return dtype  # cuBLAS: half operands, fp32 accumulation and output
     return accumulate_dtype(dtype)  # elsewhere the exact upcast: fp32 GEMMs
 
@@ -262,18 +268,38 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -
     return torch.mm(a, b, out=out)
 
 
+@functools.cache
+def addmm_out_dtype_supported(device_type: str) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` adds the
+    product of half operands to an fp32 ``acc`` inside the GEMM (recent torch, CUDA only:
+    the CPU build has no such kernel). Probed once per process and device type, by value:
+    ``1 + 1 * 1 + 1 * 1`` must give 3 in ``acc`` itself."""
+    if device_type != "cuda" or not hasattr(torch.ops.aten.addmm, "dtype_out"):
+        return False
+    try:
+        acc = torch.ones((2, 2), dtype=torch.float32, device=device_type)
+        a = torch.ones((2, 2), dtype=torch.bfloat16, device=device_type)
+        out = torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return out.data_ptr() == acc.data_ptr() and bool((acc == 3.0).all())
+
+
 def addmm_fp32_(
     acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``acc += a @ b`` for an fp32 ``acc``, the product accumulated in fp32 (float64
     ``acc`` and operands: in float64).
 
-    Half operands go through :func:`mm_fp32` into ``scratch`` (an fp32 buffer shaped like
-    ``acc``, reused across calls) and are added: torch's in-place addmm needs operands of
-    ``acc``'s dtype.
+    Half operands: where the device has it (:func:`addmm_out_dtype_supported`, CUDA), one
+    GEMM that adds into ``acc`` (no fp32 product in memory, no second pass); else through
+    :func:`mm_fp32` into ``scratch`` (an fp32 buffer shaped like ``acc``, reused across
+    calls), then added.
     """
     if a.dtype == acc.dtype:
         return acc.addmm_(a, b)
+    if addmm_out_dtype_supported(acc.device.type) and acc.is_contiguous():
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     return acc.add_(mm_fp32(a, b, out=scratch))
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import triton
 
+from vocab_parallel.backends import torch_backend
 from vocab_parallel.backends.interface import PLAIN, Grads, GradTerms, LocalStats, Logits, Outputs
 from vocab_parallel.engine import memory_policy as memory
 from vocab_parallel.engine.chunking import gradient_products
@@ -236,20 +237,11 @@ def chunk_logits(
     dtype: torch.dtype | None = None,
 ) -> Callable[..., torch.Tensor]:
     """``make(v0, v1, out=None)``: ``z`` of the shard's columns ``[v0, v1)``
-    (``vocab_parallel.backends.interface.Backend.chunk_logits``), fp32, into ``out`` (fp32 ``[BT,
-    v1 - v0]``) when given: :func:`forward_stats` with its logits written out (its
-    statistics are not used), the tile products and the cap in Triton."""
+    (``vocab_parallel.backends.interface.Backend.chunk_logits``), fp32, into ``out`` (fp32
+    ``[BT, v1 - v0]``) when given: one GEMM with fp32 output per chunk (cuBLAS on CUDA:
+    ``vocab_parallel.backends.torch_backend.chunk_logits``), then the bias, cap and
+    temperature. The first GPU run measured this backend's tile GEMM (its forward
+    statistics' kernel) at half of cuBLAS's rate for the same logits."""
     if dtype not in (None, torch.float32):
         raise TypeError(f"dtype: the Triton backend's logits are fp32, got {dtype}")
-    bt = x.shape[0]
-    no_target = torch.full((bt,), -1, dtype=torch.int64, device=x.device)
-
-    def make(v0: int, v1: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None:
-            out = torch.empty((bt, v1 - v0), dtype=torch.float32, device=x.device)
-        bias = None if logits.bias is None else logits.bias[v0:v1]
-        chunk = Logits(bias, logits.softcap, logits.inv_temperature)
-        forward_stats(x, weight[v0:v1], no_target, chunk, logits_out=out)
-        return out
-
-    return make
+    return torch_backend.chunk_logits(x, weight, logits, dtype=torch.float32)

@@ -26,7 +26,7 @@ from vocab_parallel.engine.reduction import check_items_counted, check_num_items
 from vocab_parallel.options import LossOptions, PendingOptions, given_option, made
 from vocab_parallel.parallel import sequence_parallel as _sp
 from vocab_parallel.parallel.agreement import check_agreement, fingerprint, objective_row
-from vocab_parallel.parallel.checks import check_member, check_targets
+from vocab_parallel.parallel.checks import ASYNC_CHECKS, check_member, check_targets
 from vocab_parallel.parallel.collectives import world_size
 from vocab_parallel.parallel.dtensor import local_tensor, token_shape
 from vocab_parallel.parallel.layout import resolve_layout
@@ -186,7 +186,7 @@ def _inverse_temperature(opts: LossOptions, tokens: torch.Tensor, dtype, check: 
     if check:
         bad = ~((temp > 0) & torch.isfinite(temp))
         message = "temperature: expected finite values > 0"
-        if temp.device.type == "cuda":
+        if temp.device.type in ASYNC_CHECKS:
             torch._assert_async(~bad.any(), message)
         elif bad.any():
             where = int(bad.nonzero()[0, 0])

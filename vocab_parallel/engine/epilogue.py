@@ -54,8 +54,9 @@ class HeadChunks:
     """The heads' logits as ``logits`` makes them from each head's operands (its bias
     each head's own; untempered: the epilogue divides by the temperature) of ``rows``
     tokens over this shard's ``v`` columns, chunk by chunk, in ``accum`` (fp32; float64
-    for float64 inputs). ``kept``: one ``[rows, v]`` block per head, written by the first
-    walk and read by every later one (else recomputed each time)."""
+    for float64 inputs). ``kept``: one contiguous block of ``rows * v`` values per head
+    (e.g. ``[rows, v]``, laid out by :meth:`_kept`), written by the first walk and read
+    by every later one (else recomputed each time)."""
 
     def __init__(self, backend, heads: list[Operands], logits: Logits, accum, kept=None):
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -65,18 +66,24 @@ class HeadChunks:
         self.width = memory.columns(self.rows, self.v, heads[0][0].device.type, "epilogue")
         self._make = None
 
+    def _kept(self, v0: int, v1: int) -> list[torch.Tensor]:
+        """The kept blocks' storage of columns ``[v0, v1)``: each chunk a contiguous
+        ``[rows, v1 - v0]`` run of the block (the block is only ever read through here),
+        so that a GEMM writes it directly."""
+        n = self.rows
+        return [k.view(-1)[n * v0 : n * v1].view(n, v1 - v0) for k in self.kept]
+
     def chunk(self, v0: int, v1: int) -> list[torch.Tensor]:
         """Every head's logits of columns ``[v0, v1)`` (kept ones are views: read them only)."""
         if self.kept is not None and self.filled:
-            return [k[:, v0:v1] for k in self.kept]
+            return self._kept(v0, v1)
         if self._make is None:
             make, logits = self.backend.chunk_logits, self.logits
             self._make = [
                 make(x, w, replace(logits, bias=b), dtype=self.accum) for x, w, b in self.heads
             ]
-        outs = [None] * len(self.heads) if self.kept is None else self.kept
-        pairs = zip(self._make, outs, strict=True)
-        return [m(v0, v1, None if o is None else o[:, v0:v1]) for m, o in pairs]
+        outs = [None] * len(self.heads) if self.kept is None else self._kept(v0, v1)
+        return [m(v0, v1, o) for m, o in zip(self._make, outs, strict=True)]
 
     def walk(self) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
         """``(v0, v1, logits)`` of every chunk in column order (the first walk fills kept

@@ -16,6 +16,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# Device types whose value checks run on the device (``torch._assert_async``: no host
+# sync, the error surfaces at the next sync); elsewhere a check reads its result on the
+# host and raises a ValueError that says where. (The launch counter,
+# ``benchmarks/launches.py``, adds "meta" to model a GPU.)
+ASYNC_CHECKS = {"cuda"}
+
 
 def check_targets(target: torch.Tensor, ignore_index: int, global_size: int) -> None:
     """Raise ``ValueError`` naming ``target`` unless every id is ``ignore_index`` or in
@@ -26,7 +32,7 @@ def check_targets(target: torch.Tensor, ignore_index: int, global_size: int) -> 
         f"target: ids must be in [0, {global_size}) (the global vocabulary) or "
         f"ignore_index={ignore_index}"
     )
-    if target.device.type == "cuda":
+    if target.device.type in ASYNC_CHECKS:
         torch._assert_async(~bad.any(), message)
         return
     if bad.any():

@@ -1,0 +1,113 @@
+"""The launch budget of one call on a GPU, counted without a GPU (``benchmarks/launches.py``).
+
+Each objective runs once, forward and backward, at the headline shapes of the first GPU
+run (``docs/benchmarks.md``; bf16, one rank), on ``meta`` tensors with the library's GPU
+switches set, the default GPU backend (Triton) and every GEMM and kernel a counter. What
+is asserted:
+
+- no host sync anywhere in the call (the checks of a GPU call are device asserts; the
+  online sums test nothing on the host);
+- at most the launches the code issues today (``CEILINGS``: a change that adds launches
+  fails here and has to say so), and the launches per token chunk of the chunk loops.
+
+The plan's goal (``docs/design.md``, "The engine": at most 6 launches per token chunk and
+64 per call) is what ``GOAL`` states; the rows that meet it are asserted to keep meeting
+it, the others are printed by ``python benchmarks/gpu_model.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import HAS_TRITON
+
+import vocab_parallel as vp
+from benchmarks.launches import count_call
+from vocab_parallel.engine import memory_policy as memory
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="the GPU's backend is Triton")
+
+BF16 = torch.bfloat16
+CE = dict(tokens=8192, hidden=4096, vocab=128256)
+STATS = dict(tokens=4096, hidden=4096, vocab=128256)
+GOAL = dict(per_chunk=6, per_call=64)
+# Launches per call today (forward + backward), the ceilings of this test.
+CEILINGS = {
+    "cross entropy, auto (grad_in_forward)": 432,
+    "cross entropy, memory_saving": 85,
+    "cross entropy, high_performance": 88,
+    "token statistics (log-probs + entropy)": 114,
+    "distillation, forward KL (dense teacher)": 2588,
+    "distillation, JSD (dense teacher)": 3989,
+}
+
+
+def _inputs(tokens, hidden, vocab, grad=True):
+    x = torch.empty(tokens, hidden, dtype=BF16, device="meta", requires_grad=grad)
+    w = torch.empty(vocab, hidden, dtype=BF16, device="meta", requires_grad=grad)
+    return x, w, torch.zeros(tokens, dtype=torch.int64, device="meta")
+
+
+def _ce(mode):
+    def call():
+        x, w, y = _inputs(**CE)
+        vp.vocab_parallel_linear_cross_entropy(x, w, y, mode=mode, backend="triton").backward()
+
+    return call
+
+
+def _stats():
+    x, w, y = _inputs(**STATS)
+    s = vp.vocab_parallel_token_stats(x, w, y, entropy=True, backend="triton")
+    (s.logprobs.sum() + s.entropy.sum()).backward()
+
+
+def _distill(divergence):
+    def call():
+        x, w, _ = _inputs(**STATS)
+        xt, wt, _ = _inputs(**STATS, grad=False)
+        vp.vocab_parallel_distillation_loss(
+            x, w, teacher_hidden=xt, teacher_weight=wt, divergence=divergence,
+            backend="triton",
+        ).backward()  # fmt: skip
+
+    return call
+
+
+CALLS = {
+    "cross entropy, auto (grad_in_forward)": (_ce("auto"), CE, 1),
+    "cross entropy, memory_saving": (_ce("memory_saving"), CE, None),
+    "cross entropy, high_performance": (_ce("high_performance"), CE, None),
+    "token statistics (log-probs + entropy)": (_stats, STATS, None),
+    "distillation, forward KL (dense teacher)": (_distill("forward_kl"), STATS, 2),
+    "distillation, JSD (dense teacher)": (_distill("jsd"), STATS, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_launches_and_syncs_of_one_call(name):
+    call, shape, heads = CALLS[name]
+    counts = count_call(call)
+    assert counts.syncs == 0, f"{name}: host syncs at {dict(counts.sync_sites)}"
+    assert 0 < counts.launches <= CEILINGS[name], f"{name}: {counts.launches} launches"
+    if heads is not None:  # a token-chunk walk: its chunks are the memory policy's
+        rows = memory.token_rows(shape["tokens"], shape["vocab"], 1, "meta", heads)
+        chunks = -(-shape["tokens"] // rows)
+        assert chunks == 8, (name, rows)  # 1024 rows of 8192 tokens, 512 of 4096 (2 heads)
+        if heads == 1:  # one statistics kernel per chunk: no Python loop over row blocks
+            assert counts.by_op["triton:forward_stats_kernel"] == chunks
+        if CEILINGS[name] <= GOAL["per_call"]:
+            assert counts.launches / chunks <= GOAL["per_chunk"]
+
+
+def test_the_counter_sees_launches_and_syncs():
+    """The counter itself: a GEMM, a Triton launch of the backend and a host read."""
+    x, w, y = _inputs(64, 32, 100, grad=False)
+
+    def call():
+        vp.vocab_parallel_token_stats(x, w, y, backend="triton")
+        bool((x.float().sum() > 0).item())
+
+    counts = count_call(call)
+    assert counts.syncs == 1 and counts.by_op["triton:forward_stats_kernel"] >= 1
+    assert any(op.startswith("mm") or op.startswith("triton:") for op in counts.by_op)

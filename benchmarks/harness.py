@@ -138,6 +138,12 @@ def script_main(parent: Callable[[list[str]], int], child: Callable[[dict], dict
     return 0
 
 
+def report_partial(result: dict) -> None:
+    """In a child: print its result so far as a result line. The parent keeps a child's
+    last result line; after a timeout ``run_children`` returns the partial results too."""
+    print(RESULT + json.dumps(result), flush=True)
+
+
 def _child_env(rank: int, world: int, threads: int | None, env: dict | None) -> dict:
     out = os.environ | {
         "RANK": str(rank),
@@ -179,9 +185,10 @@ def run_children(
 
     Each rank gets the usual torch.distributed environment variables, ``env`` on top, and
     ``case["store"]``, a file for a FileStore shared by the group; with ``case["threads"]``
-    also that many OpenMP/MKL threads. Returns ``{"status": "ok", "ranks": [results]}``,
-    ``{"status": "timeout"}`` after ``timeout`` seconds, or ``{"status": "error: ..."}``
-    (the failed ranks' output tails go to stderr).
+    also that many OpenMP/MKL threads. Returns ``{"status": "ok", "ranks": [results]}``
+    (each rank's last result line), ``{"status": "timeout"}`` after ``timeout`` seconds
+    (with ``"ranks"`` when every rank had reported a partial result, ``report_partial``),
+    or ``{"status": "error: ..."}`` (the failed ranks' output tails go to stderr).
     """
     threads = case.get("threads")
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
@@ -205,7 +212,8 @@ def run_children(
             elif p.returncode not in (0, None) and status != "timeout":
                 tails.append(f"rank exit {p.returncode}: " + text.strip()[-2000:])
     if status == "timeout":
-        return {"status": "timeout"}
+        # What each rank reported before (``report_partial``), when every one did.
+        return {"status": "timeout"} | ({"ranks": results} if len(results) == world else {})
     if len(results) != world:
         sys.stderr.write("\n".join(tails) + "\n")
         last = (tails[-1].strip().splitlines() or ["?"])[-1] if tails else "no result"

@@ -20,7 +20,9 @@ against the target, ``IGNORE`` tokens left out, where ``weight`` is this rank's 
     deepspeed_dflt   the same with its default chunk_size (1 rank)
     megatron         megatron.core vocab_parallel_cross_entropy on materialised logits
                      F.linear(x, W_local) (no ignore_index: masked and averaged here)
-    liger, cce       Liger-Kernel / Cut Cross-Entropy fused linear CE (CUDA only, 1 rank)
+    liger, cce       Liger-Kernel / Cut Cross-Entropy fused linear CE (CUDA only, 1 rank;
+                     CCE with its default gradient filtering)
+    cce_exact        Cut Cross-Entropy with filter_eps=None: no gradient filtering
     liger_tp         Liger-Kernel's tensor-parallel function
                      (liger_fused_linear_scaled_cross_entropy_tp) at TP 1: per-token NLL,
                      averaged here over the non-ignored tokens (CUDA only)
@@ -55,8 +57,9 @@ IMPLS = {
     "liger": ("Liger fused linear CE", (1,), ("liger_kernel",)),
     "liger_tp": ("Liger TP function, TP 1", (1,), ("liger_kernel",)),
     "cce": ("Cut Cross-Entropy", (1,), ("cut_cross_entropy",)),
+    "cce_exact": ("Cut Cross-Entropy exact (no filtering)", (1,), ("cut_cross_entropy",)),
 }
-CUDA_ONLY = ("liger", "liger_tp", "cce")
+CUDA_ONLY = ("liger", "liger_tp", "cce", "cce_exact")
 DEFAULT_IMPLS = [k for k in IMPLS if k not in ("deepspeed_dflt", "ours_ms_nocheck")]
 
 
@@ -89,13 +92,16 @@ def needs_process_group(impl: str, world: int) -> bool:
     return world > 1 or impl in ("megatron", "liger_tp")  # liger_tp wants a group at TP 1
 
 
-def init_distributed(case: dict, rank: int, device: torch.device):
-    """The process group of ``case["world"]`` ranks, set up as ``case["impl"]`` wants it."""
+def init_distributed(case: dict, rank: int, device: torch.device, impls=None):
+    """The process group of ``case["world"]`` ranks, set up as ``case["impl"]`` wants it
+    (as every one of ``impls`` wants it, when given: several in one process)."""
     import torch.distributed as dist
 
+    impls = tuple(impls or (case["impl"],))
+    deepspeed_too = any(i.startswith("deepspeed") for i in impls)
     world = case["world"]
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if case["impl"].startswith("deepspeed"):
+    if deepspeed_too:
         import deepspeed
         import deepspeed.comm.torch as ds_torch
 
@@ -107,9 +113,9 @@ def init_distributed(case: dict, rank: int, device: torch.device):
         world_size=world,
         timeout=timedelta(seconds=case["coll_timeout"]),
     )
-    if case["impl"].startswith("deepspeed"):
+    if deepspeed_too:
         deepspeed.init_distributed(dist_backend=backend)  # reuses the group above
-    if case["impl"] == "megatron":
+    if "megatron" in impls:
         from megatron.core import parallel_state
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
@@ -188,8 +194,9 @@ def make_loss(impl: str, case: dict, y, bounds, group, device):
             return torch.where(valid, nll, 0.0).sum() / count
 
         return liger_tp
-    if impl == "cce":
+    if impl in ("cce", "cce_exact"):
         from cut_cross_entropy import linear_cross_entropy
 
-        return lambda x, w: linear_cross_entropy(x, w, y, ignore_index=IGNORE)
+        kw = {"filter_eps": None} if impl == "cce_exact" else {}  # else its default filter
+        return lambda x, w: linear_cross_entropy(x, w, y, ignore_index=IGNORE, **kw)
     raise ValueError(f"unknown implementation {impl!r}")

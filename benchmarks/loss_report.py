@@ -46,14 +46,36 @@ def summarise(res: dict) -> dict:
     }
 
 
-def table(rows: list[dict], naive: dict, refs: dict) -> str:
+FLOOR_NAME = "floor: x @ W.T, G @ W, G.T @ x as torch.mm"
+
+
+def _ms(seconds: float, fine: bool = False) -> str:
+    """Milliseconds, whole; ``fine``: three significant digits below 10 ms."""
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if fine and ms < 10 else f"{ms:.0f}"
+
+
+def table(rows: list[dict], naive: dict, refs: dict, floors: dict | None = None) -> str:
+    """The markdown table; with ``floors`` (seconds by dtype, ``--in-process``) also a
+    "floor" row ahead of each dtype's rows and an "x floor" column (1-rank rows)."""
     head = ["implementation", "ranks", "dtype", "threads/rank", "best ms", "time / naive"]
+    head += ["x floor"] if floors is not None else []
     head += ["peak extra MiB", "loss", "|loss - ref|", "status"]
-    body = []
+    body, seen = [], set()
     for r in rows:
+        floor = (floors or {}).get(r["dtype"])
+        if floors is not None and r["dtype"] not in seen:
+            seen.add(r["dtype"])
+            if floor:
+                base = naive.get(r["dtype"])
+                ratio = f"{floor / base:.2f}" if base else "-"
+                body.append(
+                    [FLOOR_NAME, "1", r["dtype"], "", _ms(floor, True), ratio, "1.00"]
+                    + ["", "", "", "ok"]
+                )
         cells = [IMPLS[r["impl"]][0], str(r["world"]), r["dtype"]]
         if r["status"] != "ok":
-            cells += ["", "", "", "", "", "", r["status"]]
+            cells += [""] * (len(head) - 4) + [r["status"]]
         else:
             base = naive.get(r["dtype"])
             ratio = f"{r['time_s'] / base:.2f}" if base else "-"
@@ -61,15 +83,25 @@ def table(rows: list[dict], naive: dict, refs: dict) -> str:
             diff = "-" if ref is None else f"{abs(r['loss'] - ref):.1e}"
             if r.get("mismatch"):
                 diff += " MISMATCH"
+            cells += [str(r["threads"]), _ms(r["time_s"], floors is not None), ratio]
+            if floors is not None:
+                cells.append(f"{r['time_s'] / floor:.2f}" if floor and r["world"] == 1 else "-")
             cells += [
-                str(r["threads"]), f"{r['time_s'] * 1e3:.0f}", ratio,
                 f"{r['peak_bytes'] / MIB:.0f}", f"{r['loss']:.5f}", diff, "ok",
             ]  # fmt: skip
         body.append(cells)
     return markdown_table(head, body)
 
 
-def legend(rows: list[dict], repeats: int, ds_chunk) -> str:
+def legend(rows: list[dict], repeats: int, ds_chunk, in_process: bool = False) -> str:
+    together = (
+        " In one process per dtype (--in-process): the 1-rank implementations one after "
+        "another on the same inputs, memory freed between them. floor: the three GEMMs of "
+        "a fused linear cross entropy (logits = x @ W.T, grad_input = G @ W, grad_weight = "
+        "G.T @ x, G random in the input dtype) as plain torch.mm calls in the same process, "
+        f"fastest of 2 x {repeats} (before and after the implementations); x floor: time / "
+        "floor (1-rank rows)."
+    )
     method = next((r["mem_method"] for r in rows if r["status"] == "ok"), "-")
     grads = {(r["world"], r["dtype"]): r["grads_bytes"] / MIB for r in rows if r["status"] == "ok"}
     return (
@@ -80,7 +112,7 @@ def legend(rows: list[dict], repeats: int, ds_chunk) -> str:
         + ", ".join(f"{w} rank(s) {d}: {m:.0f} MiB" for (w, d), m in sorted(grads.items()))
         + "). |loss - ref|: against naive fp32 on the same inputs (bf16 rows: on the "
         f"bf16-rounded inputs); tolerance {LOSS_TOL['fp32']:g} (fp32), {LOSS_TOL['bf16']:g} "
-        f"(bf16) relative. DeepSpeed chunk_size={ds_chunk}."
+        f"(bf16) relative. DeepSpeed chunk_size={ds_chunk}." + (together if in_process else "")
     )
 
 

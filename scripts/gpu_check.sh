@@ -13,9 +13,12 @@
 #   large_offsets   scripts/gpu_large_offsets.py: offsets past 2^31
 #   bench_loss      time and peak memory at the same shape: ours in every mode, naive,
 #                   F.linear_cross_entropy (when torch has it), Liger-Kernel (FLCE and its
-#                   TP function at TP 1), Cut Cross-Entropy; TFLOP/s of our three GEMMs
-#                   against the same GEMMs as plain cuBLAS calls
+#                   TP function at TP 1), Cut Cross-Entropy (default and exact), all in ONE
+#                   process (--in-process: a fresh process each took 12-16 s of start-up
+#                   and inputs), with the floor measured in it (the three GEMMs as plain
+#                   cuBLAS calls) and each row's time / floor
 #   verify          launch/verify.py, configs/verify_gpu.yaml, torchrun with 1 process
+#                   (120 cases at H 256: sized to finish in its step, see the config)
 #   tests           the Triton tests of the suite on CUDA (multi-rank ones skip: one GPU)
 #
 # The summary table is printed as the steps finish, first to last, and each row is also
@@ -143,7 +146,7 @@ else
 fi
 export -f install
 export PY DRY WHEEL_DIR SITE
-PEERS=(naive ours_gif ours_ms ours_hp torch_lce_auto liger liger_tp cce)
+PEERS=(naive ours_gif ours_ms ours_hp torch_lce_auto liger liger_tp cce cce_exact)
 
 echo
 row "| step | result | seconds | summary |"
@@ -152,9 +155,15 @@ step install 40 'installed' -- bash -c install
 step variants 90 '(OK|FAILED):' -- "$PY" scripts/gpu_variants.py "${DRY_FLAG[@]}"
 step llama_fp64 60 '(OK|FAILED):' -- "$PY" scripts/gpu_llama_accuracy.py "${DRY_FLAG[@]}"
 step large_offsets 50 '(OK|FAILED):' -- "$PY" scripts/gpu_large_offsets.py "${DRY_FLAG[@]}"
-step bench_loss 120 'TFLOP|LOSS MISMATCH|did not run' -- "$PY" benchmarks/bench_loss.py \
-    "${BENCH[@]}" --worlds 1 --impls "${PEERS[@]}" --timeout 60
-step verify 40 '(OK|FAILED):' -- "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+# One bf16 process for every row (the reference losses are computed in it too). Its
+# --timeout leaves the parent 15 s to print the rows it got (a row not reached reads
+# "timeout") within the step's 100 s, or within what is left of the budget.
+bench_timeout=$((BUDGET_S - (SECONDS - start_all) - 15))
+((bench_timeout > 85)) && bench_timeout=85
+((bench_timeout < 1)) && bench_timeout=1
+step bench_loss 100 'TFLOP|LOSS MISMATCH|did not run' -- "$PY" benchmarks/bench_loss.py \
+    "${BENCH[@]}" --worlds 1 --in-process --impls "${PEERS[@]}" --timeout "$bench_timeout"
+step verify 60 '(OK|FAILED):' -- "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
     launch/verify.py --config configs/verify_gpu.yaml "${VERIFY_SHAPE[@]}"
 step tests 70 '(passed|failed|error|tests collected)' -- "$PY" -m pytest -q -p no:cacheprovider \
     -m "not slow" -k triton "${TESTS_DRY[@]}" tests

@@ -12,7 +12,11 @@ pass over vocabulary tiles gives
     exp2[i]       = sum_j e_ij^2, e_ij = exp(logits[i, j] - local_max[i])   (sum p^2)
 
 so the logits are produced once and never stored (unless high-performance mode asks for
-them, to turn them into the saved softmax). The vocabulary is cut into a fixed number of
+them, to turn them into the saved softmax). With ``FROM_LOGITS`` the tile products are a
+GEMM's of the launcher's (cuBLAS with fp32 output, into the logits buffer: the first GPU
+run measured the tile GEMM here at half its rate), and the kernel is the epilogue alone:
+it reads ``x @ W.T`` from the buffer, adds the bias, caps and tempers, writes ``z`` back
+in place and keeps the same statistics. The vocabulary is cut into a fixed number of
 splits that run in parallel; each writes its partial statistics and the launcher
 (``vocab_parallel.backends.triton_backend.forward_stats``) merges them in a fixed order
 (deterministic, and bounded memory: ``[splits, BT]``, independent of V). Cross-rank
@@ -22,6 +26,7 @@ stored logits pass 2^31 elements at scale.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -40,7 +45,8 @@ def forward_stats_kernel(
     b_ptr,  # [V] bias of this shard's rows, input dtype (only read when HAS_BIAS)
     invt_ptr,  # [BT] fp32 inverse temperature of each row, z = cap(r) * invt (SCALED)
     cw_ptr,  # [V] fp32 class weights of the logit sum (read when SCALED and LOGIT_SUM)
-    logits_ptr,  # [BT, V] fp32 (capped) logits out (only written when STORE_LOGITS)
+    logits_ptr,  # [BT, V] fp32 (capped) logits out (only written when STORE_LOGITS; with
+    #              FROM_LOGITS it holds x @ W.T on entry and z on exit)
     max_ptr,  # [S, BT] fp32 partial max per split
     sum_ptr,  # [S, BT] fp32 partial sum of exp(logit - partial max)
     pred_ptr,  # [S, BT] fp32 partial target logit
@@ -68,6 +74,7 @@ def forward_stats_kernel(
     SOFTCAP: tl.constexpr,  # cap the logits: softcap * tanh(logits / softcap)
     SCALED: tl.constexpr,  # per-row inverse temperature and per-column class weights
     EXTRA_STATS: tl.constexpr,  # also the shifted and squared sums (token statistics)
+    FROM_LOGITS: tl.constexpr,  # the products are in logits_ptr already (a GEMM's)
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -97,21 +104,26 @@ def forward_stats_kernel(
     for t in range(0, n_tiles):
         cols = (first_tile + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < V
-        acc = logits_tile(
-            x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok,
-            H, stride_xm, stride_xk, stride_wn, stride_wk,
-            HAS_BIAS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+        # Where z is stored (STORE_LOGITS), and read from with FROM_LOGITS.
+        z_ptrs = logits_ptr + rows[:, None] * stride_lm + cols.to(tl.int64)[None, :] * stride_ln
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        if FROM_LOGITS:  # the launcher's GEMM wrote x @ W.T here
+            acc = tl.load(z_ptrs, mask=tile_ok, other=0.0)
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + cols.to(tl.int32), mask=col_ok, other=0.0)
+                acc += bias.to(tl.float32)[None, :]
+        else:
+            acc = logits_tile(
+                x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok,
+                H, stride_xm, stride_xk, stride_wn, stride_wk,
+                HAS_BIAS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
         if SOFTCAP:  # (the backward recomputes exactly this: tanh(r * inv) * softcap)
             acc = tanh(acc * inv_softcap) * softcap
         if SCALED:  # the temperature
             acc = acc * inv_t[:, None]
         if STORE_LOGITS:
-            tl.store(
-                logits_ptr + rows[:, None] * stride_lm + cols.to(tl.int64)[None, :] * stride_ln,
-                acc,
-                mask=row_ok[:, None] & col_ok[None, :],
-            )
+            tl.store(z_ptrs, acc, mask=tile_ok)
         # Online max / sum-exp; padding columns count as -inf (exp gives 0).
         masked = tl.where(col_ok[None, :], acc, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(masked, axis=1))
@@ -148,6 +160,14 @@ def forward_stats_kernel(
         tl.store(exp2_ptr + out, exp2, mask=row_ok)
 
 
+def epilogue_tile(tile: TileConfig) -> TileConfig:
+    """The tile of a ``FROM_LOGITS`` launch: half the columns of the products' tile. No
+    products, but the tile's int64 addresses are live from its load to its store: at the
+    products' width ptxas needs 255 registers (and spills on sm_80) for odd strides
+    (``scripts/aot_compile.py --match FROM_LOGITS``)."""
+    return dataclasses.replace(tile, BLOCK_N=max(16, tile.BLOCK_N // 2))
+
+
 def meta(
     dtype: torch.dtype,
     store_logits: bool,
@@ -157,10 +177,12 @@ def meta(
     scaled: bool,
     tile: TileConfig,
     extra_stats: bool = False,
+    from_logits: bool = False,
 ) -> dict:
     """Constexprs and launch options of one launch (the launcher's and
-    :func:`launch_variants`')."""
+    :func:`launch_variants`'); ``from_logits`` only with ``store_logits``."""
     return dict(
+        FROM_LOGITS=from_logits,
         STORE_LOGITS=store_logits,
         LOGIT_SUM=logit_sum,
         HAS_BIAS=has_bias,
@@ -179,12 +201,15 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
     variants = []
     # store, logit sum, bias, cap, scaled, extra stats (never with the logit sum: the token
     # statistics have no label smoothing)
-    flags = itertools.product((False, True), repeat=6)
-    for store, logit_sum, has_bias, softcap, scaled, extra in flags:
-        if logit_sum and extra:
+    # and from the logits of a GEMM (only when they are stored)
+    flags = itertools.product((False, True), repeat=7)
+    for store, logit_sum, has_bias, softcap, scaled, extra, from_logits in flags:
+        if (logit_sum and extra) or (from_logits and not store):
             continue
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for tile in tile_configs("forward_stats", dtype, capability, heavy_epilogue=extra):
-                kw = meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile, extra)
+                tile = epilogue_tile(tile) if from_logits else tile
+                kw = meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile, extra,
+                          from_logits)  # fmt: skip
                 variants.append((forward_stats_kernel, dtype, kw))
     return variants

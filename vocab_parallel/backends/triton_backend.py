@@ -30,6 +30,7 @@ import triton
 from vocab_parallel.backends import torch_backend
 from vocab_parallel.backends.interface import PLAIN, Grads, GradTerms, LocalStats, Logits, Outputs
 from vocab_parallel.engine import memory_policy as memory
+from vocab_parallel.engine import precision
 from vocab_parallel.engine.chunking import gradient_products
 from vocab_parallel.kernels import backward, forward
 from vocab_parallel.kernels.common import interpreting, tile_config
@@ -80,6 +81,14 @@ def full_vector(t: torch.Tensor | float | None, n: int, device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 
 
+def _gemm_with_fp32_output(x: torch.Tensor) -> bool:
+    """Whether the logits of ``x``'s rows are one GEMM with fp32 output without an fp32
+    copy of the weight: fp32 inputs, half inputs where ``torch.mm(..., out_dtype=)`` runs
+    (CUDA on a recent torch), and the interpreter's CPU tensors (small, for tests)."""
+    fp32_output = precision.mm_out_dtype_supported(x.device.type)
+    return x.dtype == torch.float32 or fp32_output or x.device.type == "cpu"
+
+
 def forward_stats(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -95,7 +104,12 @@ def forward_stats(
     (``vocab_parallel.backends.interface.Backend.forward_stats``).
 
     ``local_target`` is int64 ``[BT]``, -1 where the row's target is not on this shard.
-    ``logits_out``, if given, is an fp32 ``[BT, V]`` buffer that receives ``z``.
+    ``logits_out``, if given, is an fp32 ``[BT, V]`` buffer that receives ``z``: then the
+    products are one GEMM with fp32 output into it (cuBLAS on CUDA,
+    ``vocab_parallel.engine.precision.mm_fp32``) and the kernel is their epilogue (the
+    bias, cap, temperature and statistics, ``z`` written back in place); without it the
+    kernel makes the products tile by tile and stores nothing (and so it does where a half
+    GEMM has no fp32 output, an older torch: :func:`_gemm_with_fp32_output`).
     A shard without columns gives max -inf and zero sums. ``logit_sum=False`` skips the
     logit sum (only label smoothing needs it) and returns zeros for it. ``extra_stats``:
     also the shifted and squared sums (``LocalStats``), merged over the splits as over
@@ -109,6 +123,9 @@ def forward_stats(
         return LocalStats(torch.full((bt,), float("-inf"), **f32), *zeros)
     capability = device_capability(x.device)
     tile = tile_config("forward_stats", x.dtype, capability, bt, heavy_epilogue=extra_stats)
+    from_logits = logits_out is not None and _gemm_with_fp32_output(x)
+    if from_logits:
+        tile = forward.epilogue_tile(tile)
     n_tiles = triton.cdiv(v, tile.BLOCK_N)
     n_row_blocks = triton.cdiv(bt, tile.BLOCK_M)
     splits = num_splits(n_row_blocks, n_tiles, x.device)
@@ -117,6 +134,8 @@ def forward_stats(
     part = torch.empty((6 if extra_stats else 4, splits, bt), **f32)
     store = logits_out is not None
     out = logits_out if store else part
+    if from_logits:  # the products by one GEMM with fp32 output, the kernel their epilogue
+        precision.mm_fp32(x, weight.t(), out=logits_out)
     bias, softcap = logits.bias, logits.softcap
     has_bias = bias is not None
     # A temperature or class weights: the SCALED variant, with both vectors in full.
@@ -133,7 +152,7 @@ def forward_stats(
         out.stride(0) if store else 0, out.stride(1) if store else 0,
         1.0 if softcap is None else float(softcap),
         **forward.meta(x.dtype, store, logit_sum, has_bias, softcap is not None, scaled, tile,
-                       extra_stats),
+                       extra_stats, from_logits),
     )  # fmt: skip
     p_max, p_sum, p_pred, p_lsum = part[:4]
     row_max = p_max.max(dim=0).values

@@ -30,3 +30,17 @@ def backend(request) -> str:
 @pytest.fixture(params=MODES)
 def mode(request) -> str:
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _triton_inputs_on_device(request):
+    """Every test whose id says "triton" launches Triton kernels only on tensors made on
+    ``helpers.DEVICE`` (``device_guard.py``): a test that would fail on a GPU fails here."""
+    if "triton" not in request.node.nodeid.lower() or not HAS_TRITON:
+        yield
+        return
+    from device_guard import guarded
+    from helpers import DEVICE
+
+    with guarded(DEVICE):
+        yield

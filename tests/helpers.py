@@ -16,8 +16,10 @@ from vocab_parallel import fused_linear_cross_entropy_loss_grad, pack_target_mas
 from vocab_parallel.reference import global_statistics, loss_grad_reference
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Triton runs on CUDA tensors, or on CPU tensors under the interpreter.
+# Triton runs on CUDA tensors, or on CPU tensors under the interpreter: every tensor a test
+# hands to the Triton backend is made on DEVICE (conftest.py's guard checks it).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CPU = torch.device("cpu")
 BACKENDS = ("torch", "triton")
 MODES = ("memory_saving", "high_performance")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -29,6 +31,23 @@ ALL_DTYPES = (torch.float32, *HALF_DTYPES)
 # where fp32 and float64 logits round differently, and the rounding of the output.
 # Both are far below what a real bug costs (a missing one-hot or a wrong scale is O(1)).
 REL_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def device_for(backend: str) -> torch.device:
+    """Where a test's inputs for ``backend`` live: DEVICE for Triton, the CPU for torch."""
+    return DEVICE if backend == "triton" else CPU
+
+
+def moved(obj, device: torch.device):
+    """``obj`` (a tensor, or a dict, list or tuple holding some) with its tensors on
+    ``device``; anything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: moved(v, device) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(moved(v, device) for v in obj)
+    return obj
 
 
 def dtype_id(dtype: torch.dtype) -> str:

@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import HAS_TRITON
+from helpers import CPU, HAS_TRITON, device_for, moved
 from multirank import run_ranks
 
 import vocab_parallel as vp
@@ -27,8 +27,6 @@ from vocab_parallel.testing import (
     check_dtensor_case,
     check_sequence_parallel_case,
 )
-
-CPU = torch.device("cpu")
 
 
 def _problem(bt=37, h=20, v=129, dtype=torch.float32, seed=0):
@@ -43,8 +41,11 @@ def _problem(bt=37, h=20, v=129, dtype=torch.float32, seed=0):
 
 
 def _ours(x, w, y, *, backend="torch", up=None, **options):
-    x = x.clone().requires_grad_(True)
-    w = w.clone().requires_grad_(True)
+    """Ours on ``backend``'s device (``helpers.device_for``): inputs copied there."""
+    dev = device_for(backend)
+    x = x.to(dev, copy=True).requires_grad_(True)
+    w = w.to(dev, copy=True).requires_grad_(True)
+    y, up, options = moved((y, up, options), dev)
     loss = vp.vocab_parallel_linear_cross_entropy(x, w, y, backend=backend, **options)
     out = loss[0] if isinstance(loss, tuple) else loss
     out.backward(torch.ones_like(out) if up is None else up)
@@ -60,7 +61,7 @@ def _reference(x, w, y, *, up=None, **options):
 
 
 def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
@@ -99,9 +100,10 @@ def test_every_option_together_bf16(backend, mode):
     b = torch.randn(w.shape[0], generator=g).to(torch.bfloat16)
     options = dict(class_weight=cw, temperature=temp, softcap=4.0, z_loss=1e-3)
     options |= dict(label_smoothing=0.1, mode=mode)
-    xb, wb, bb = (t.clone().requires_grad_(True) for t in (x, w, b))
+    dev = device_for(backend)
+    xb, wb, bb = (t.to(dev, copy=True).requires_grad_(True) for t in (x, w, b))
     loss, lse = vp.vocab_parallel_linear_cross_entropy(
-        xb, wb, y, bias=bb, backend=backend, return_lse=True, **options
+        xb, wb, y.to(dev), bias=bb, backend=backend, return_lse=True, **moved(options, dev)
     )
     loss.backward()
     x64, w64, b64 = (t.double().requires_grad_(True) for t in (x, w, b))
@@ -157,11 +159,12 @@ def test_operator_class_weight_and_temperature(backend):
     sum_exp = torch.exp(z - logits_max[:, None]).sum(1)
     here = y >= 0
     grad = (torch.rand(23) + 0.5) * here
+    args = (grad, x, w, ~here, y.clamp(min=0), eps, logits_max.float(), sum_exp.float())
     gi, gw = vp.fused_linear_cross_entropy_loss_grad(
-        grad, x, w, ~here, y.clamp(min=0), eps,
-        logits_max.float(), sum_exp.float(),
-        class_weight=cw, temperature=temp, backend=backend,
-    )  # fmt: skip
+        *moved(args, device_for(backend)),
+        **moved(dict(class_weight=cw, temperature=temp), device_for(backend)),
+        backend=backend,
+    )
     x64 = x.double().requires_grad_(True)
     w64 = w.double().requires_grad_(True)
     per = F.cross_entropy(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from helpers import HAS_TRITON, peak_extra_in_child
+from helpers import CPU, HAS_TRITON, device_for, moved, peak_extra_in_child
 from multirank import run_ranks
 
 import vocab_parallel as vp
@@ -84,8 +84,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float("inf")
     if b.numel() == 0:
         return 0.0
-    scale = b.detach().double().abs().max().clamp(min=1e-30)
-    return float((a.detach().double() - b.detach().double()).abs().max() / scale)
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
 def _teacher_args(case, xt, wt, bt, ids, lps, lo, hi, tokens):
@@ -99,9 +99,11 @@ def _teacher_args(case, xt, wt, bt, ids, lps, lo, hi, tokens):
 
 def check(case: DCase, group=None) -> list[str]:
     """Our loss and gradients against the reference on this rank (its shard, its tokens
-    under sequence parallelism); the mismatches (empty when all agree)."""
+    under sequence parallelism); the mismatches (empty when all agree). One process runs
+    on the backend's device, gloo ranks on the CPU; the reference is on the CPU."""
     world = 1 if group is None else torch.distributed.get_world_size(group)
     rank = 0 if group is None else torch.distributed.get_rank(group)
+    dev = device_for(case.backend) if group is None else CPU
     x, w, xt, wt, y, b, bt, temp, up, ids, lps = _problem(case)
     lo, hi = shard_bounds(case.vocab, world)[rank]
     tokens = slice(0, case.tokens)
@@ -109,7 +111,7 @@ def check(case: DCase, group=None) -> list[str]:
         sizes = token_split(case.tokens, world, case.sp)
         start = sum(sizes[:rank])
         tokens = slice(start, start + sizes[rank])
-    hidden = x[tokens].clone().requires_grad_(True)
+    hidden = x[tokens].to(dev, copy=True).requires_grad_(True)
     kwargs = {}
     if case.dtensor:
         from torch.distributed.device_mesh import init_device_mesh
@@ -125,21 +127,22 @@ def check(case: DCase, group=None) -> list[str]:
         if "teacher_weight" in teacher:  # the teacher's weight a DTensor as well
             teacher["teacher_weight"] = distribute_tensor(wt, mesh, [Shard(0)])
     else:
-        weight = w[lo:hi].clone().requires_grad_(True)
-        bias = None if b is None else b[lo:hi].clone().requires_grad_(True)
+        weight = w[lo:hi].to(dev, copy=True).requires_grad_(True)
+        bias = None if b is None else b[lo:hi].to(dev, copy=True).requires_grad_(True)
         kwargs = dict(process_group=group)
         if world > 1 and case.seed % 2:  # the stated layout (no layout collective)
             kwargs |= dict(vocab_start_index=lo, global_vocab_size=case.vocab)
-        teacher = _teacher_args(case, xt, wt, bt, ids, lps, lo, hi, tokens)
-    temp_here = temp[tokens] if isinstance(temp, torch.Tensor) else temp
+        teacher = moved(_teacher_args(case, xt, wt, bt, ids, lps, lo, hi, tokens), dev)
+    temp_here = moved(temp[tokens] if isinstance(temp, torch.Tensor) else temp, dev)
     loss = vp.vocab_parallel_distillation_loss(
-        hidden, weight, **teacher, target=y[tokens] if case.target else None,
+        hidden, weight, **teacher, target=y[tokens].to(dev) if case.target else None,
         divergence=case.divergence, beta=case.beta, temperature=temp_here,
         hard_label_weight=case.hard_label_weight, reduction=case.reduction, bias=bias,
         softcap=case.softcap, sequence_parallel=case.sp is not None, mode=case.mode,
         backend=case.backend, **kwargs,
     )  # fmt: skip
-    (loss * up[tokens].to(loss.dtype) if case.reduction == "none" else loss).sum().backward()
+    up_here = up[tokens].to(loss.device, loss.dtype)
+    (loss * up_here if case.reduction == "none" else loss).sum().backward()
 
     x64 = x.double().requires_grad_(True)
     w64 = w.double().requires_grad_(True)
@@ -329,7 +332,7 @@ def _problem_args(case: DCase) -> dict:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("case", [FUSED[1], FUSED[4], FUSED[5]], ids=str)
 def test_triton_bitwise_deterministic(case):
-    args = _problem_args(case)
+    args = moved(_problem_args(case), device_for(case.backend))
     x = args.pop("hidden")
     results = []
     for _ in range(2):
@@ -497,6 +500,7 @@ def _tail_errors(group, backend: str, name: str) -> list[str]:
     KL of the teacher's own log-probs."""
     world = 1 if group is None else torch.distributed.get_world_size(group)
     rank = 0 if group is None else torch.distributed.get_rank(group)
+    dev = device_for(backend) if group is None else CPU  # gloo ranks: the CPU
     x, w, ids, lps = _tail_problem(name)
     lo, hi = shard_bounds(w.shape[0], world)[rank]
     up = torch.linspace(0.5, 1.5, x.shape[0], dtype=torch.float64)
@@ -512,12 +516,14 @@ def _tail_errors(group, backend: str, name: str) -> list[str]:
             errors.append(f"the reference with k = V: rel error {_rel(ref, dense):.2e}")
     for mode in ("memory_saving", "high_performance", "grad_in_forward"):
         scalar = mode == "grad_in_forward"  # (a scalar loss: the sum)
-        hidden, weight = x.clone().requires_grad_(True), w[lo:hi].clone().requires_grad_(True)
+        hidden = x.to(dev, copy=True).requires_grad_(True)
+        weight = w[lo:hi].to(dev, copy=True).requires_grad_(True)
         loss = vp.vocab_parallel_distillation_loss(
-            hidden, weight, **teacher, process_group=group, backend=backend, mode=mode,
-            reduction="sum" if scalar else "none",
+            hidden, weight, **moved(teacher, dev), process_group=group, backend=backend,
+            mode=mode, reduction="sum" if scalar else "none",
         )  # fmt: skip
-        (loss if scalar else loss * up.float()).sum().backward()
+        (loss if scalar else loss * up.float().to(dev)).sum().backward()
+        loss = loss.detach().cpu()
         want = ref.sum() if scalar else ref
         grads64 = torch.autograd.grad((want if scalar else want * up).sum(), (x64, w64),
                                       retain_graph=True)  # fmt: skip
@@ -525,7 +531,8 @@ def _tail_errors(group, backend: str, name: str) -> list[str]:
         err = (loss.detach().double() - want.detach()).abs() / want.detach().abs()
         if not bool(torch.isfinite(loss).all()) or float(err.max()) > 1e-4:
             errors.append(f"{tag}: loss {loss.tolist()}, float64 {want.tolist()}")
-        got = (("hidden", hidden.grad, grads64[0]), ("weight", weight.grad, grads64[1][lo:hi]))
+        got = (("hidden", hidden.grad.cpu(), grads64[0]),
+               ("weight", weight.grad.cpu(), grads64[1][lo:hi]))  # fmt: skip
         for what, grad, grad64 in got:
             if not bool(torch.isfinite(grad).all()) or _rel(grad, grad64) > 1e-4:
                 errors.append(f"{tag}: grad_{what} rel error {_rel(grad, grad64):.2e}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import device_for, moved
 from multirank import run_ranks
 
 import vocab_parallel as vp
@@ -31,16 +32,20 @@ def _masked_problem(bt=24, h=16, v=300, masked=100, seed=0):
 @pytest.mark.parametrize("mode", MODES)
 def test_minus_inf_bias_on_the_first_tiles_is_finite(backend, mode):
     x, w, b, y = _masked_problem()
-    xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    loss = vp.vocab_parallel_linear_cross_entropy(xs, ws, y, bias=b, mode=mode, backend=backend)
+    dev = device_for(backend)
+    xs, ws = (t.to(dev, copy=True).requires_grad_(True) for t in (x, w))
+    loss = vp.vocab_parallel_linear_cross_entropy(
+        xs, ws, y.to(dev), bias=b.to(dev), mode=mode, backend=backend
+    )
     loss.backward()
+    loss, gx, gw = loss.detach().cpu(), xs.grad.cpu(), ws.grad.cpu()
     x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
     ref = F.cross_entropy(F.linear(x64, w64, b.double()), y)
     ref.backward()
     assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < 1e-5
-    assert torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
-    assert (xs.grad.double() - x64.grad).abs().max() < 1e-5
-    assert (ws.grad.double() - w64.grad).abs().max() < 1e-5
+    assert torch.isfinite(gx).all() and torch.isfinite(gw).all()
+    assert (gx.double() - x64.grad).abs().max() < 1e-5
+    assert (gw.double() - w64.grad).abs().max() < 1e-5
 
 
 def test_torch_backend_minus_inf_first_chunk_of_several(monkeypatch):
@@ -133,9 +138,8 @@ def test_the_original_formula_order_at_overflow(backend):
     sum_exp = torch.full((bt,), 0.5)
     grad = torch.ones(bt)
     not_here = torch.zeros(bt, dtype=torch.bool)
-    gi, gw = vp.fused_linear_cross_entropy_loss_grad(
-        grad, x, w, not_here, target, 0.0, logits_max, sum_exp, backend=backend
-    )
+    args = moved((grad, x, w, not_here, target, 0.0, logits_max, sum_exp), device_for(backend))
+    gi, gw = (t.cpu() for t in vp.fused_linear_cross_entropy_loss_grad(*args, backend=backend))
     G = torch.exp(z - logits_max[:, None]) / sum_exp[:, None]  # the original's order
     G[torch.arange(bt), target] -= 1.0
     G = G * grad[:, None]

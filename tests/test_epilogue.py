@@ -15,7 +15,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import HAS_TRITON
+from helpers import HAS_TRITON, device_for
 from multirank import run_ranks
 
 from vocab_parallel.engine import memory_policy as memory
@@ -59,7 +59,9 @@ class ZLossCE(Epilogue):
             predicted += pick(z, self.target, v0, v1)
             online.add(z)
         if online is None:  # no columns here
-            online, predicted = Online(n, 0, torch.float32, None), torch.zeros(n)
+            device = self.target.device
+            online = Online(n, 0, torch.float32, device)
+            predicted = torch.zeros(n, device=device)
         return Local([online], [predicted])
 
     def terms(self, maxima, sums):
@@ -127,19 +129,20 @@ BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["memory_saving", "high_performance", "grad_in_forward"])
 def test_an_objective_of_math_alone_runs_every_mode(mode, backend, softcap, monkeypatch):
-    monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", 1)  # 128-column chunks: 4 of them
+    dev = device_for(backend)
+    monkeypatch.setitem(memory.WORKSPACE_BYTES, dev.type, 1)  # 128-column chunks: 4 of them
     x, w, b, y = _problem()
     x64, w64, b64 = (t.double().requires_grad_(True) for t in (x, w, b))
     want = _reference(x64, w64, b64, y, softcap)
     want_grads = _grads(want, x64, w64, b64)
-    inputs = [t.clone().requires_grad_(True) for t in (x, w, b)]
-    loss = _run(*inputs, y, mode, backend, softcap=softcap)
-    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
+    inputs = [t.to(dev, copy=True).requires_grad_(True) for t in (x, w, b)]
+    loss = _run(*inputs, y.to(dev), mode, backend, softcap=softcap)
+    torch.testing.assert_close(loss.detach().cpu().double(), want, rtol=1e-5, atol=1e-6)
     got = [torch.autograd.grad(loss, inputs, retain_graph=True)]
     got.append(torch.autograd.grad(loss, inputs))  # a second backward: recomputed
     for grads in got:
         for a, e in zip(grads, want_grads, strict=True):
-            torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(a.cpu().double(), e, rtol=1e-4, atol=1e-6)
 
 
 def _two_ranks(group):

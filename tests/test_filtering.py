@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HAS_TRITON
+from helpers import CPU, HAS_TRITON, device_for, moved
 from multirank import run_ranks
 
 import vocab_parallel as vp
@@ -86,14 +86,18 @@ def masked(G, mask, lo, hi):
 
 
 def run(x, w, bias, y, grad, reduction, group=None, lo=0, hi=V, **kw):
-    xx = x.clone().requires_grad_()
-    ww = w[lo:hi].clone().requires_grad_()
-    bb = bias[lo:hi].clone().requires_grad_()
+    """Loss and gradients, on the CPU, of one call on the backend's device (gloo ranks:
+    the CPU)."""
+    dev = device_for(kw.get("backend", "torch")) if group is None else CPU
+    xx = x.to(dev, copy=True).requires_grad_()
+    ww = w[lo:hi].to(dev, copy=True).requires_grad_()
+    bb = bias[lo:hi].to(dev, copy=True).requires_grad_()
+    y, grad = moved((y, grad), dev)
     loss = vp.vocab_parallel_linear_cross_entropy(
         xx, ww, y, bias=bb, reduction=reduction, process_group=group, **kw
     )
     (loss if grad is None else (loss * grad).sum()).backward()
-    return loss.detach(), xx.grad, ww.grad, bb.grad
+    return tuple(t.cpu() for t in (loss.detach(), xx.grad, ww.grad, bb.grad))
 
 
 def _close(actual, expected, dtype, what):

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import BACKENDS, HAS_TRITON
+from helpers import BACKENDS, DEVICE, HAS_TRITON, device_for
 from multirank import run_ranks
 
 from vocab_parallel import vocab_parallel_linear_cross_entropy
@@ -36,8 +36,10 @@ def small_chunks(rows: int, vocab: int, world: int = 1) -> int:
 
 @pytest.fixture
 def chunked(monkeypatch):
-    """5 token rows per chunk at V=389 (37 tokens: 8 chunks, the last one short)."""
-    monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", small_chunks(5, 389))
+    """5 token rows per chunk at V=389 (37 tokens: 8 chunks, the last one short), on the
+    CPU and on DEVICE (where the Triton tests run)."""
+    for device_type in {"cpu", DEVICE.type}:
+        monkeypatch.setitem(memory.WORKSPACE_BYTES, device_type, small_chunks(5, 389))
 
 
 def assert_bitwise_equal(a, b, names=("loss", "grad_hidden", "grad_weight")) -> None:
@@ -47,17 +49,18 @@ def assert_bitwise_equal(a, b, names=("loss", "grad_hidden", "grad_weight")) -> 
 
 
 def _run(backend, mode, dtype=torch.float32, reduction="mean", scale=0.7, seed=0, **options):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(37, 33, generator=gen).to(dtype).requires_grad_(True)
-    w = (torch.randn(389, 33, generator=gen) / 33**0.5 * 4).to(dtype).requires_grad_(True)
+    """Loss and gradients (on the CPU) of one call on ``backend``'s device."""
+    gen, dev = torch.Generator().manual_seed(seed), device_for(backend)
+    x = torch.randn(37, 33, generator=gen).to(dtype).to(dev).requires_grad_(True)
+    w = (torch.randn(389, 33, generator=gen) / 33**0.5 * 4).to(dtype).to(dev).requires_grad_(True)
     y = torch.randint(0, 389, (37,), generator=gen)
     y[::5] = -100
     out = vocab_parallel_linear_cross_entropy(
-        x, w, y, reduction=reduction, mode=mode, backend=backend, **options
+        x, w, y.to(dev), reduction=reduction, mode=mode, backend=backend, **options
     )
     loss = out[0] if isinstance(out, tuple) else out
     (loss * scale).backward()
-    return loss.detach(), x.grad, w.grad
+    return loss.detach().cpu(), x.grad.cpu(), w.grad.cpu()
 
 
 # --- against the float64 reference, one process, many chunks ---------------------------
@@ -87,7 +90,7 @@ def _cases(backend: str) -> list[Case]:
 def test_matches_reference_over_many_chunks(backend, chunked):
     if backend == "triton" and not HAS_TRITON:
         pytest.skip("triton is not installed")
-    results = [check_case(c, None, CPU) for c in _cases(backend)]
+    results = [check_case(c, None, device_for(backend)) for c in _cases(backend)]
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad[:5]
 
@@ -213,11 +216,11 @@ def test_second_backward_through_the_same_graph_recomputes(backend, chunked):
     recomputes them (memory-saving style) with its own upstream scalar."""
     if backend == "triton" and not HAS_TRITON:
         pytest.skip("triton is not installed")
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(37, 33, generator=gen).requires_grad_(True)
-    w = torch.randn(389, 33, generator=gen).requires_grad_(True)
-    b = torch.randn(389, generator=gen).requires_grad_(True)
-    y = torch.randint(0, 389, (37,), generator=gen)
+    gen, dev = torch.Generator().manual_seed(2), device_for(backend)
+    x = torch.randn(37, 33, generator=gen).to(dev).requires_grad_(True)
+    w = torch.randn(389, 33, generator=gen).to(dev).requires_grad_(True)
+    b = torch.randn(389, generator=gen).to(dev).requires_grad_(True)
+    y = torch.randint(0, 389, (37,), generator=gen).to(dev)
     kw = dict(bias=b, z_loss=1e-3, softcap=5.0, label_smoothing=0.1, backend=backend)
     loss = vocab_parallel_linear_cross_entropy(x, w, y, mode="grad_in_forward", **kw)
     first = torch.autograd.grad(loss * 2.0, (x, w, b), retain_graph=True)

@@ -133,7 +133,7 @@ def test_options_off_are_bitwise_the_plain_loss(backend, mode):
         loss = vp.vocab_parallel_linear_cross_entropy(
             xi, wi, y, mode=mode, backend=backend, reduction="none", **extra
         )
-        loss.backward(torch.linspace(-1, 2, loss.numel()).reshape(loss.shape))
+        loss.backward(torch.linspace(-1, 2, loss.numel(), device=DEVICE).reshape(loss.shape))
         runs.append((loss.detach(), xi.grad, wi.grad))
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):

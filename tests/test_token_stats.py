@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from helpers import HAS_TRITON, peak_extra_in_child
+from helpers import CPU, HAS_TRITON, device_for, moved, peak_extra_in_child
 from multirank import run_ranks
 
 import vocab_parallel as vp
@@ -66,17 +66,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float("inf")
     if b.numel() == 0:  # a rank without tokens (sequence parallelism)
         return 0.0
-    scale = b.detach().double().abs().max().clamp(min=1e-30)
-    return float((a.detach().double() - b.detach().double()).abs().max() / scale)
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
 def check(case: TSCase, group=None) -> list[str]:
     """Our token statistics against the reference on this rank (its shard of the
     vocabulary; its tokens under sequence parallelism): every field, top-k ids as values
     (a near-tie may order differently in fp32 and float64) and the three gradients.
-    Returns the mismatches (empty when all agree)."""
+    Returns the mismatches (empty when all agree). One process runs on the backend's
+    device, gloo ranks on the CPU; the reference is on the CPU."""
     world = 1 if group is None else torch.distributed.get_world_size(group)
     rank = 0 if group is None else torch.distributed.get_rank(group)
+    dev = device_for(case.backend) if group is None else CPU
     x, w, y, b, temp, a, b_up = _problem(case)
     lo, hi = shard_bounds(case.vocab, world)[rank]  # uneven: 66 + 65, 44 + 44 + 43
     tokens = slice(0, case.tokens)
@@ -84,7 +86,7 @@ def check(case: TSCase, group=None) -> list[str]:
         sizes = token_split(case.tokens, world, case.sp)
         start = sum(sizes[:rank])
         tokens = slice(start, start + sizes[rank])
-    hidden = x[tokens].clone().requires_grad_(True)
+    hidden = x[tokens].to(dev, copy=True).requires_grad_(True)
     kwargs = {}
     if case.dtensor:
         from torch.distributed.device_mesh import init_device_mesh
@@ -97,19 +99,20 @@ def check(case: TSCase, group=None) -> list[str]:
         hi = lo + rows
         bias = None if b is None else torch.nn.Parameter(distribute_tensor(b, mesh, [Shard(0)]))
     else:
-        weight = w[lo:hi].clone().requires_grad_(True)
-        bias = None if b is None else b[lo:hi].clone().requires_grad_(True)
+        weight = w[lo:hi].to(dev, copy=True).requires_grad_(True)
+        bias = None if b is None else b[lo:hi].to(dev, copy=True).requires_grad_(True)
         kwargs = dict(process_group=group)
         if world > 1 and case.seed % 2:  # the stated layout (no layout collective)
             kwargs |= dict(vocab_start_index=lo, global_vocab_size=case.vocab)
-    temp_here = temp[tokens] if isinstance(temp, torch.Tensor) else temp
+    temp_here = moved(temp[tokens] if isinstance(temp, torch.Tensor) else temp, dev)
     out = vp.vocab_parallel_token_stats(
-        hidden, weight, y[tokens], temperature=temp_here, softcap=case.softcap, bias=bias,
+        hidden, weight, y[tokens].to(dev), temperature=temp_here, softcap=case.softcap, bias=bias,
         entropy=True, sum_p_squared=True, top_k=case.top_k, argmax=True,
         sequence_parallel=case.sp is not None, mode=case.mode, backend=case.backend,
         **kwargs,
     )  # fmt: skip
-    (a[tokens] * out.logprobs + b_up[tokens] * out.entropy).sum().backward()
+    (a[tokens].to(dev) * out.logprobs + b_up[tokens].to(dev) * out.entropy).sum().backward()
+    out = vp.TokenStats(*(None if t is None else t.detach().cpu() for t in out))
 
     x64 = x.double().requires_grad_(True)
     w64 = w.double().requires_grad_(True)
@@ -213,7 +216,9 @@ def test_ties_go_to_the_lower_id(backend):
     x = torch.randn(3, 4)
     w = torch.zeros(8, 4)
     y = torch.tensor([1, 2, 3])
+    x, w, y, bias = moved((x, w, y, bias), device_for(backend))
     out = vp.vocab_parallel_token_stats(x, w, y, bias=bias, top_k=6, argmax=True, backend=backend)
+    out = vp.TokenStats(*(None if t is None else t.cpu() for t in out))
     want = torch.tensor([1, 3, 4, 2, 5, 7]).expand(3, 6)
     assert torch.equal(out.topk_ids, want)
     assert torch.equal(out.argmax, torch.tensor([1, 1, 1]))
@@ -299,6 +304,7 @@ def _zero_token_errors(group, backend: str, sequence_parallel: bool = False) -> 
     (less the token dims), and a backward that gives zero-size or zero gradients."""
     world = 1 if group is None else torch.distributed.get_world_size(group)
     rank = 0 if group is None else torch.distributed.get_rank(group)
+    dev = device_for(backend) if group is None else CPU  # gloo ranks: the CPU
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(11, 8, generator=g), torch.randn(11, generator=g)
     lo, hi = shard_bounds(11, world)[rank]
@@ -309,10 +315,11 @@ def _zero_token_errors(group, backend: str, sequence_parallel: bool = False) -> 
         for ask, mode in itertools.product(asks, ("memory_saving", "high_performance")):
 
             def run(tok, ask=ask, mode=mode):
-                h = torch.randn(*tok, 8, generator=g).requires_grad_(True)
-                weight, bias = (t[lo:hi].clone().requires_grad_(True) for t in (w, b))
+                h = torch.randn(*tok, 8, generator=g).to(dev).requires_grad_(True)
+                weight, bias = (t[lo:hi].to(dev, copy=True).requires_grad_(True) for t in (w, b))
+                target = torch.zeros(tok, dtype=torch.int64, device=dev)
                 out = vp.vocab_parallel_token_stats(
-                    h, weight, torch.zeros(tok, dtype=torch.int64), bias=bias, mode=mode,
+                    h, weight, target, bias=bias, mode=mode,
                     process_group=group, sequence_parallel=sequence_parallel,
                     backend=backend, **ask,
                 )  # fmt: skip
@@ -510,22 +517,24 @@ def test_grpo_example_equals_full_logits_under_torchrun():
 def test_masking_bias_of_minus_inf(backend, mode):
     """A bias of -inf on some columns (masked tokens, p = 0): finite entropy and
     gradients equal to the reference without those columns, never NaN."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(9, 8, generator=g, requires_grad=True)
-    w = torch.randn(300, 8, generator=g, requires_grad=True)
+    g, dev = torch.Generator().manual_seed(3), device_for(backend)
+    x = torch.randn(9, 8, generator=g).to(dev).requires_grad_(True)
+    w = torch.randn(300, 8, generator=g).to(dev).requires_grad_(True)
     bias = torch.zeros(300)
     bias[::3] = float("-inf")
     y = torch.randint(0, 100, (9,), generator=g) * 3 + 1  # never a masked column
-    out = vp.vocab_parallel_token_stats(x, w, y, bias=bias, entropy=True, sum_p_squared=True,
-                                        top_k=3, backend=backend, mode=mode)  # fmt: skip
+    out = vp.vocab_parallel_token_stats(x, w, y.to(dev), bias=bias.to(dev), entropy=True,
+                                        sum_p_squared=True, top_k=3, backend=backend,
+                                        mode=mode)  # fmt: skip
     (out.logprobs + out.entropy).sum().backward()
     keep = bias == 0
-    x64 = x.detach().double().requires_grad_(True)
-    w64 = w.detach().double()[keep].requires_grad_(True)
+    x64 = x.detach().cpu().double().requires_grad_(True)
+    w64 = w.detach().cpu().double()[keep].requires_grad_(True)
     y_kept = keep.cumsum(0)[y] - 1  # the targets' ids among the kept columns
     ref = token_stats_reference(x64, w64, y_kept, top_k=3)
     (ref["logprobs"] + ref["entropy"]).sum().backward()
     for name in ("logprobs", "entropy", "sum_p_squared", "topk_logprobs"):
         assert _rel(getattr(out, name), ref[name]) < VALUE_TOL, name
     assert _rel(x.grad, x64.grad) < 1e-5
-    assert _rel(w.grad[keep], w64.grad) < 1e-5 and (w.grad[~keep] == 0).all()
+    gw = w.grad.cpu()
+    assert _rel(gw[keep], w64.grad) < 1e-5 and (gw[~keep] == 0).all()

@@ -99,6 +99,9 @@ ROWS = [
     Row("forward_kl_ms", "forward KL, dense teacher (memory_saving)", 4096, 4096, 128256,
         "kd_columns", "(not measured)", "materialised", 40.3,
         "<= 1.0x materialised, <= 1/4 of its 8986 MiB", 1.0, 2246),
+    Row("stats_replay", "log-probs + entropy, sampling replay (top-k 50, top-p 0.9)", 4096,
+        4096, 128256, "stats_replay", "(not measured)", "untruncated statistics (model)",
+        None, "<= 2.0x the untruncated statistics", 2.0),
     Row("jsd", "JSD, dense teacher (grad_in_forward)", 4096, 4096, 128256, "kd_jsd",
         "145.5 ms (1.85x Liger fused JSD 78.6 ms)", "Liger fused JSD", 78.6,
         "<= 1.0x Liger", 1.0),
@@ -178,6 +181,11 @@ def plan_parts(plan: str, n: int, h: int, v: int) -> tuple[list[Part], float, st
     """The CUDA plan's parts of one call, its peak extra memory (bytes), its chunking."""
     if plan in ("ce_ms", "stats"):
         return column_chunked(n, h, v)
+    if plan == "stats_replay":  # + the candidates: one top-C pass per chunk, one all-gather
+        parts, peak, chunking = column_chunked(n, h, v)
+        chunks = int(chunking.split()[0])
+        parts.insert(2, Part("candidates (top-C of each chunk)", 0, 4.0 * n * v, chunks))
+        return parts, peak, chunking
     if plan == "kd_columns":
         return column_chunked(n, h, v, heads=2)
     heads = 2 if plan.startswith("kd") else 1
@@ -223,7 +231,10 @@ def report(row: Row, gpu: GPU, show_parts: bool) -> str:
     launches = sum(p.launches for p in parts) + 6  # the call's set-up and reduction
     total = max(device, launches * gpu.launch_us / 1e3)
     ref = row.reference_ms
-    if ref is None:  # the floor, at the measured cuBLAS rate
+    if ref is None and row.reference.startswith("untruncated"):
+        base, _, _ = plan_parts("stats", row.tokens, row.hidden, row.vocab)
+        ref = sum(p.ms(gpu) for p in base)
+    elif ref is None:  # the floor, at the measured cuBLAS rate
         ref = floor_ms(row.tokens, row.hidden, row.vocab, gpu)
     ratio = total / ref
     mib = peak / (1 << 20)

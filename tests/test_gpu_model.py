@@ -19,13 +19,14 @@ def test_the_model_reproduces_the_measured_floor():
 
 @pytest.mark.parametrize("row", model.ROWS, ids=lambda r: r.key)
 def test_the_plan_keeps_the_launch_budget(row):
-    """The plan's launches: at most 6 per chunk (8 for two heads' logits made twice), at
+    """The plan's launches: at most 6 per chunk (more where the comment says), at
     most 64 per call where the chunks allow it; and its GEMMs' FLOPs are those of its
     structure (each GEMM over the whole head once: no chunk counted twice)."""
     parts, peak, chunking = model.plan_parts(row.plan, row.tokens, row.hidden, row.vocab)
     chunks = int(chunking.split()[0])
     launches = sum(p.launches for p in parts)
-    assert launches <= (8 if row.plan == "kd_columns" else 6) * chunks
+    # Two heads' logits made twice: 8; the replay's top-C pass beside the statistics: 7.
+    assert launches <= {"kd_columns": 8, "stats_replay": 7}.get(row.plan, 6) * chunks
     if chunks <= 10:
         assert launches <= 64
     one = 2.0 * row.tokens * row.hidden * row.vocab  # one GEMM over the whole head

@@ -256,10 +256,15 @@ class VocabParallelLMHead(nn.Module):
         sum_p_squared: bool = False,
         top_k: int = 0,
         argmax: bool = False,
+        sample_top_k: int | torch.Tensor | None = None,
+        sample_top_p: float | torch.Tensor | None = None,
+        sample_min_p: float | torch.Tensor | None = None,
         **options: Any,
     ) -> TokenStats:
         """Per-token log-probs of ``target`` (and entropy, sum of squared probabilities,
-        top-k, argmax) under this head: :func:`vocab_parallel.vocab_parallel_token_stats`
+        top-k, argmax; or those of a sampler's truncation, ``sample_top_k`` /
+        ``sample_top_p`` / ``sample_min_p``) under this head:
+        :func:`vocab_parallel.vocab_parallel_token_stats`
         with the head's shard, bias and logits options (``softcap``, ``temperature``,
         ``ignore_index``, ``backend``, ``sequence_parallel``...); ``options`` override
         those for this call (e.g. a per-token rollout ``temperature``). The loss-only
@@ -283,7 +288,11 @@ class VocabParallelLMHead(nn.Module):
             **chosen,
         )
         request = functools.partial(StatsRequest, entropy, sum_p_squared, top_k, argmax)
-        return run_token_stats(hidden, self.weight, target, opts, request, self.process_group)
+        sampling = dict(sample_top_k=sample_top_k, sample_top_p=sample_top_p,
+                        sample_min_p=sample_min_p)  # fmt: skip
+        return run_token_stats(
+            hidden, self.weight, target, opts, request, self.process_group, sampling=sampling
+        )
 
     def distillation_loss(
         self,

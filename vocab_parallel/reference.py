@@ -276,3 +276,57 @@ def distillation_reference(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / valid.sum().clamp(min=1)
+
+
+def sampled_token_stats_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    sample_top_k=0,
+    sample_top_p=1.0,
+    sample_min_p=0.0,
+    temperature: float | torch.Tensor = 1.0,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> dict[str, torch.Tensor]:
+    """The statistics of the distribution vLLM's V1 sampler draws from, on materialised
+    float64 logits (``docs/design.md``, "Sampling replay"): min-p, then top-k (ties at
+    the k-th all kept), then top-p (a token stays iff the kept mass strictly above it is
+    below ``top_p``), each a number or one per token (off: 0 / 1 / 0). ``logprobs``
+    (``-inf`` outside the kept set), ``entropy`` and ``kept_logmass``, differentiable
+    with the kept set held fixed; 0 where ``target`` is ignored."""
+    z = scaled_logits_reference(hidden, weight, bias, softcap, temperature)
+    shape = z.shape[:-1]
+
+    def per_token(v, dtype):
+        return torch.as_tensor(v, dtype=dtype).expand(shape).reshape(*shape, 1)
+
+    k, p, min_p = (per_token(sample_top_k, torch.int64), per_token(sample_top_p, z.dtype),
+                   per_token(sample_min_p, z.dtype))  # fmt: skip
+    with torch.no_grad():
+        zd = z.detach()
+        keep = zd >= zd.amax(-1, keepdim=True) + torch.log(min_p.clamp(min=1e-300))
+        keep |= min_p <= 0
+        masked = zd.masked_fill(~keep, -math.inf)
+        ordered = masked.sort(-1, descending=True).values
+        kth = ordered.gather(-1, (k - 1).clamp(0, zd.shape[-1] - 1))
+        keep &= (k <= 0) | (zd >= kth)
+        e = torch.exp(zd - zd.amax(-1, keepdim=True)) * keep
+        # mass strictly above each token, among the kept
+        above = torch.stack(
+            [(e * (zd > zd[..., j : j + 1])).sum(-1) for j in range(zd.shape[-1])], -1
+        )
+        keep &= (p >= 1) | (above < p * e.sum(-1, keepdim=True))
+    ignored = target == ignore_index
+    logq = torch.log_softmax(z.masked_fill(~keep, -math.inf), -1)
+    lp = logq.gather(-1, target.clamp(min=0)[..., None]).squeeze(-1)
+    ent = -(torch.exp(logq) * torch.where(keep, logq, 0.0)).sum(-1)
+    kept = torch.logsumexp(z.masked_fill(~keep, -math.inf), -1) - torch.logsumexp(z, -1)
+    return {
+        "logprobs": lp.masked_fill(ignored, 0.0),
+        "entropy": ent.masked_fill(ignored, 0.0),
+        "kept_logmass": kept.masked_fill(ignored, 0.0),
+        "kept": keep,
+    }

@@ -39,15 +39,18 @@ from vocab_parallel.backends.registry import get_backend
 from vocab_parallel.engine import precision
 from vocab_parallel.engine.autograd import guarded_backward, no_autocast, sum_grad_input
 from vocab_parallel.engine.entry import prepare_call
+from vocab_parallel.engine.functions import ChunkedLoss
 from vocab_parallel.engine.objective import Call, Objective
 from vocab_parallel.objectives.cross_entropy import (
     forward_stats,
     local_targets,
     reduce_statistics,
 )
+from vocab_parallel.objectives.sampling import PARAMETERS, Truncated, check_sampling, check_values
 from vocab_parallel.objectives.topk import exchange_candidates, shard_candidates
 from vocab_parallel.options import LossOptions, PendingOptions, StatsRequest, documented, made
 from vocab_parallel.parallel import sequence_parallel as _sp
+from vocab_parallel.parallel.agreement import checksum_fields
 from vocab_parallel.parallel.collectives import world_size
 
 TOKEN_STATS_MODES = ("auto", "memory_saving", "high_performance")
@@ -65,6 +68,8 @@ class TokenStats(NamedTuple):
     topk_logprobs: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     argmax: torch.Tensor | None = None
+    # Under a sampler's truncation: log of the kept probability mass (<= 0; no gradient)
+    kept_logmass: torch.Tensor | None = None
 
 
 @documented
@@ -84,6 +89,9 @@ def vocab_parallel_token_stats(
     sum_p_squared: bool = False,
     top_k: int = 0,
     argmax: bool = False,
+    sample_top_k: int | torch.Tensor | None = None,
+    sample_top_p: float | torch.Tensor | None = None,
+    sample_min_p: float | torch.Tensor | None = None,
     sequence_parallel: bool = False,
     mode: str = "auto",
     backend: str = "auto",
@@ -107,6 +115,14 @@ def vocab_parallel_token_stats(
             descending, ties to the lower id; no gradient).
         argmax: also the global id of the largest logit (ties to the lower id); token
             accuracy is ``argmax == target``.
+        sample_top_k, sample_top_p, sample_min_p: the statistics of the distribution a
+            rollout engine samples from (vLLM's V1 sampler: temperature, then min-p, then
+            top-k, then top-p; ``docs/design.md``, "Sampling replay"): each None (off), a
+            number or a tensor shaped like ``target`` (per token). Off: top-k None or <= 0,
+            top-p None or 1, min-p None or 0. When one truncates, ``logprobs`` and
+            ``entropy`` are those of the kept set ``K`` (``-inf`` for a target outside it,
+            which takes no gradient) and ``kept_logmass`` is ``log sum_{K} p``; not with
+            ``sum_p_squared``, ``top_k`` or ``argmax``.
         mode: ``"auto"`` / ``"memory_saving"`` (recompute the logits in the backward, no
             ``[tokens, V_local]`` tensor kept) or ``"high_performance"`` (keep the fp32
             logits shard for the backward). ``"grad_in_forward"`` does not apply: the
@@ -125,7 +141,9 @@ def vocab_parallel_token_stats(
         global_vocab_size=global_vocab_size,
     )  # fmt: skip
     request = functools.partial(StatsRequest, entropy, sum_p_squared, top_k, argmax)
-    return run_token_stats(hidden, weight, target, opts, request, process_group)
+    sampling = dict(sample_top_k=sample_top_k, sample_top_p=sample_top_p,
+                    sample_min_p=sample_min_p)  # fmt: skip
+    return run_token_stats(hidden, weight, target, opts, request, process_group, sampling=sampling)
 
 
 class Statistics(Objective):
@@ -136,21 +154,41 @@ class Statistics(Objective):
 
     name = "token statistics"
 
-    def __init__(self, request: StatsRequest | Callable[[], StatsRequest]):
+    def __init__(self, request, sampling: dict | None = None, hidden=None):
         self.given, self.request = request, None
+        self.given_sampling, self.hidden = sampling or {}, hidden
+        self.sampling: dict | None = None  # the sampler's parameters when one truncates
+        self.sequence_parallel = False
 
     def check(self, opts: LossOptions) -> None:
         self.request = made(self.given)
         _check_options(opts)
+        self.sequence_parallel = opts.sequence_parallel
+        self.sampling = check_sampling(self.given_sampling, self.hidden, opts.sequence_parallel)
+        r = self.request
+        if self.sampling is not None and (r.sum_p_squared or r.top_k or r.argmax):
+            on = next(n for n in PARAMETERS if self.given_sampling.get(n) is not None)
+            raise ValueError(
+                f"{on}: the sampler's statistics are log-probs and entropy; not with "
+                "sum_p_squared, top_k or argmax"
+            )
 
     def fields(self) -> list[tuple[str, str, object]]:
         r = self.request
-        return [
+        f = [
             ("entropy", "entropy", float(r.entropy)),
             ("sum_p_squared", "sum_p_squared", float(r.sum_p_squared)),
             ("top_k", "top_k", float(r.top_k)),
             ("argmax", "argmax", float(r.argmax)),
         ]
+        for name, v in (self.sampling or {}).items():
+            if not isinstance(v, torch.Tensor):
+                f.append((name, name, float(v)))
+            elif not self.sequence_parallel:  # (each rank brings its own tokens)
+                f += checksum_fields(name, v.reshape(-1, 1))
+            else:
+                f.append((f"{name} as a tensor", name, 1.0))
+        return f
 
     def prepared(self, call: Call, target, slices) -> None:
         vg = call.layout.global_size
@@ -158,6 +196,30 @@ class Statistics(Objective):
             raise ValueError(
                 f"top_k: expected at most the global vocabulary size {vg}, got {self.request.top_k}"
             )
+        if self.sampling is None:
+            return
+        for name, v in self.sampling.items():  # per token, as the call's tokens
+            if isinstance(v, torch.Tensor):
+                v = v.detach().reshape(-1, 1)
+                v = (v if slices is None else _sp.all_gather_rows(v, slices, name))[:, 0]
+                check_values(name, v)
+                self.sampling[name] = v
+
+    def epilogue(self, call: Call, target: torch.Tensor, dtype) -> Truncated:
+        """The sampler's truncation on this rank's shard (``target``: the call's tokens)."""
+        ignored = target == call.opts.ignore_index
+        local = call.layout.columns(target).masked_fill(ignored, -1)
+        accum = precision.accumulate_dtype(dtype)
+        n, f = target.shape[0], dict(device=target.device)
+
+        def per_token(name, dt):
+            v = self.sampling[name]
+            return v.to(dt) if isinstance(v, torch.Tensor) else torch.full((n,), v, dtype=dt, **f)
+
+        k = per_token("sample_top_k", torch.int64)
+        p, min_p = per_token("sample_top_p", accum), per_token("sample_min_p", accum)
+        group, v = call.process_group, call.layout.size
+        return Truncated(local, ignored, call.inv_temperature, k, p, min_p, group, v, accum)
 
     def mode(self, opts: LossOptions, track: bool, dtype: torch.dtype) -> str:
         return "high_performance" if opts.mode == "high_performance" else "memory_saving"
@@ -189,6 +251,7 @@ def run_token_stats(
     process_group: dist.ProcessGroup | None = None,
     *,
     partial_grad_input: bool = False,
+    sampling: dict | None = None,
 ) -> TokenStats:
     """:func:`vocab_parallel_token_stats` for options already made (the LM head's entry),
     or pending, and a request or a function that makes it (both made where a refused
@@ -196,13 +259,22 @@ def run_token_stats(
     apply (``reduction``, ``label_smoothing``, ``z_loss``, ``class_weight`` and
     ``return_lse`` must be their defaults). ``partial_grad_input``: ``hidden``'s
     gradient is this rank's share, not summed over the group (for a caller that sums it
-    itself; not with sequence parallelism)."""
+    itself; not with sequence parallelism). ``sampling``: the sampler's parameters by
+    their keyword names (``vocab_parallel.objectives.sampling``)."""
     opts = opts.replace(reduction="none", return_lse=False)
-    objective = Statistics(request)
+    objective = Statistics(request, sampling, hidden)
     call, h2, weight, bias, t1, slices, shape = prepare_call(
         hidden, weight, target, opts, process_group, objective
     )
     request = objective.request
+    if objective.sampling is not None:  # the sampler's truncation: an epilogue of the engine
+        out, _ = ChunkedLoss.apply(h2, weight, bias, call, objective, t1)
+        out = _sp.own_tokens(out, slices)
+        return TokenStats(
+            logprobs=out[:, 0].reshape(shape),
+            entropy=out[:, 1].reshape(shape) if request.entropy else None,
+            kept_logmass=out[:, 2].detach().reshape(shape),
+        )
     if partial_grad_input:
         if call.opts.sequence_parallel:
             raise ValueError("sequence_parallel: not with a rank-local (partial) grad_input")

@@ -85,6 +85,13 @@ class HeadChunks:
         outs = [None] * len(self.heads) if self.kept is None else self._kept(v0, v1)
         return [m(v0, v1, o) for m, o in zip(self._make, outs, strict=True)]
 
+    def walk_rows(self, rows: torch.Tensor) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
+        """``(v0, v1, logits)`` of the token ``rows`` alone, cut from the whole chunks: the
+        same values, bit for bit, as every other walk gives them (a GEMM of other rows
+        may round differently: a threshold found on them would not be one here)."""
+        for v0, v1, zs in self.walk():
+            yield v0, v1, [z[rows] for z in zs]
+
     def walk(self) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
         """``(v0, v1, logits)`` of every chunk in column order (the first walk fills kept
         blocks)."""
@@ -146,6 +153,12 @@ class Epilogue:
         """The terms once the second walk's sums are reduced."""
         return terms
 
+    def refine(self, chunks: HeadChunks, terms):
+        """The terms after any further walks of the objective's own (``chunks.walk()``,
+        ``chunks.walk_rows(rows)``) and collectives (a threshold search); by default
+        the terms."""
+        return terms
+
     def losses(self, terms) -> torch.Tensor:
         """Per-token losses (ignored tokens: any value, the engine zeroes them)."""
         raise NotImplementedError
@@ -171,7 +184,7 @@ def statistics(ep: Epilogue, chunks: HeadChunks, group):
     more = ep.second(chunks.walk(), terms)
     if more is not None:
         terms = ep.after_second(terms, all_reduce(more, "SUM", group, ep.sums_name))
-    return terms
+    return ep.refine(chunks, terms)
 
 
 def in_chunk(cols: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,11 @@ def _products(ep: Epilogue, terms, chunks: HeadChunks, hidden, weight, bias, gra
         )  # fmt: skip
 
 
+def _rows(ignored: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``ignored`` ``[N]`` shaped to mask ``like`` (``[N]`` or ``[N, m]``)."""
+    return ignored.reshape(-1, *([1] * (like.dim() - 1)))
+
+
 def _backward(call: Call, ep: Epilogue, terms, hidden, weight, bias, grad, need, kept=None):
     """The student's gradients of every token (``grad``: per token), ``grad_input``
     summed over the group."""
@@ -65,7 +70,8 @@ def _backward(call: Call, ep: Epilogue, terms, hidden, weight, bias, grad, need,
     accum = precision.accumulate_dtype(hidden.dtype)
     tp = world_size(call.process_group) > 1
     out = Outputs(need[0], need[1], need[2], grad_input_dtype=accum if tp else None)
-    grads = _products(ep, terms, chunks, hidden, weight, bias, grad.masked_fill(ep.ignored, 0), out)
+    grad = grad.masked_fill(_rows(ep.ignored, grad), 0.0)
+    grads = _products(ep, terms, chunks, hidden, weight, bias, grad, out)
     return sum_grad_input(grads.input, call.process_group, hidden.dtype), *grads[1:]
 
 
@@ -86,7 +92,8 @@ class ChunkedLoss(torch.autograd.Function):
             terms = statistics(
                 ep, _chunks(call, ep, hidden, weight, bias, kept), call.process_group
             )
-            losses = ep.losses(terms).masked_fill(ep.ignored, 0.0)
+            losses = ep.losses(terms)
+            losses = losses.masked_fill(_rows(ep.ignored, losses), 0.0)
         weights = (~ep.ignored).to(accum)
         ctx.mark_non_differentiable(weights)
         ctx.set_materialize_grads(False)

@@ -104,11 +104,9 @@ def forward_stats_kernel(
     for t in range(0, n_tiles):
         cols = (first_tile + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < V
-        # Where z is stored (STORE_LOGITS), and read from with FROM_LOGITS.
-        z_ptrs = logits_ptr + rows[:, None] * stride_lm + cols.to(tl.int64)[None, :] * stride_ln
-        tile_ok = row_ok[:, None] & col_ok[None, :]
         if FROM_LOGITS:  # the launcher's GEMM wrote x @ W.T here
-            acc = tl.load(z_ptrs, mask=tile_ok, other=0.0)
+            z_ptrs = logits_ptr + rows[:, None] * stride_lm + cols.to(tl.int64)[None, :] * stride_ln
+            acc = tl.load(z_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
             if HAS_BIAS:
                 bias = tl.load(b_ptr + cols.to(tl.int32), mask=col_ok, other=0.0)
                 acc += bias.to(tl.float32)[None, :]
@@ -122,8 +120,9 @@ def forward_stats_kernel(
             acc = tanh(acc * inv_softcap) * softcap
         if SCALED:  # the temperature
             acc = acc * inv_t[:, None]
-        if STORE_LOGITS:
-            tl.store(z_ptrs, acc, mask=tile_ok)
+        if STORE_LOGITS:  # (addresses made here: none live through the products' loop)
+            z_ptrs = logits_ptr + rows[:, None] * stride_lm + cols.to(tl.int64)[None, :] * stride_ln
+            tl.store(z_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
         # Online max / sum-exp; padding columns count as -inf (exp gives 0).
         masked = tl.where(col_ok[None, :], acc, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(masked, axis=1))
@@ -201,12 +200,15 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
     variants = []
     # store, logit sum, bias, cap, scaled, extra stats (never with the logit sum: the token
     # statistics have no label smoothing)
-    # and from the logits of a GEMM (only when they are stored)
+    # and from the logits of a GEMM (only when they are stored; stored without it only for
+    # half inputs, where torch has no half GEMM with fp32 output: an older torch)
     flags = itertools.product((False, True), repeat=7)
     for store, logit_sum, has_bias, softcap, scaled, extra, from_logits in flags:
         if (logit_sum and extra) or (from_logits and not store):
             continue
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            if store and not from_logits and dtype == torch.float32:
+                continue  # fp32 logits are always one GEMM's
             for tile in tile_configs("forward_stats", dtype, capability, heavy_epilogue=extra):
                 tile = epilogue_tile(tile) if from_logits else tile
                 kw = meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile, extra,

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from vocab_parallel.engine.entry import token_tensor
 from vocab_parallel.engine.epilogue import Epilogue, Local, add_at, cut, pick
 from vocab_parallel.engine.online import Online
 from vocab_parallel.parallel.collectives import all_gather, all_reduce
@@ -106,9 +107,6 @@ class Truncated(Epilogue):
     def terms(self, maxima, sums):
         m = maxima[0]
         return m, torch.log(sums[0]), sums[1]
-
-    def second(self, chunks, terms):
-        return None
 
     def refine(self, chunks, terms) -> Terms:
         """The thresholds (candidates, then the radix select where they cannot decide),
@@ -338,8 +336,6 @@ def check_sampling(values: dict, hidden, sequence_parallel: bool) -> dict | None
     checked (``TypeError`` / ``ValueError`` naming the parameter); None when none
     truncates. Numbers are checked here, tensors' shapes and devices here and their
     values once gathered (:func:`check_values`)."""
-    from vocab_parallel.engine.entry import token_tensor
-
     out, on = {}, False
     for name in PARAMETERS:
         v = values.get(name)

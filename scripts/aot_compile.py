@@ -174,7 +174,7 @@ def ptxas_usage(ptx: str, arch: int) -> dict:
 
 def describe(kernel, dtype: torch.dtype, meta: dict) -> str:
     flags = [k for k, v in meta.items() if k.isupper() and isinstance(v, bool) and v]
-    tile = "x".join(str(meta[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    tile = "x".join(str(meta[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in meta)
     tile += f" w{meta['num_warps']} s{meta['num_stages']}"
     if "maxnreg" in meta:
         tile += f" r{meta['maxnreg']}"

@@ -66,15 +66,16 @@ def cases(dry_run: bool) -> list[dict]:
         out.append(dict(bt=bt, h=h, v=v, dtype=dtype, mode=f"token_stats {mode}", bias=bias,
                         softcap=softcap, label_smoothing=0.0, z_loss=0.0, scaled=scaled,
                         top_k=top_k))  # fmt: skip
-    # Half inputs whose logits are stored, with the products' tile GEMM as on a torch
-    # without half GEMMs of fp32 output (the launcher's fallback; its variants).
-    stored = [c for c in out if c["dtype"] != "float32" and _stores(c)]
-    return out + [c | {"tile_gemm": True} for c in stored]
-
-
-def _stores(c: dict) -> bool:
-    """Whether a case keeps its logits (high-performance mode, or a top-k's chunks)."""
-    return c["mode"].endswith("high_performance") or c.get("top_k", 0) > 0
+    # grad_in_forward (a sum: a scalar loss): G of whole token chunks over their logits.
+    for dtype, softcap, scaled in itertools.product(DTYPES, (None, 20.0), (False, True)):
+        out.append(dict(bt=shapes[-1][0], h=shapes[-1][1], v=shapes[-1][2], dtype=dtype,
+                        mode="grad_in_forward", bias=False, softcap=softcap,
+                        label_smoothing=0.1, z_loss=1e-3, scaled=scaled))  # fmt: skip
+    # Half inputs with the kernels' own tile GEMM, as on a torch without half GEMMs of
+    # fp32 output (the launchers' fallback; its variants), in every mode but the
+    # operator's (given logits: no products to make).
+    half = [c for c in out if c["dtype"] != "float32" and not c["mode"].startswith("operator")]
+    return out + [c | {"tile_gemm": True} for c in half]
 
 
 def token_stats_outputs(c: dict, x, w, b, y, up, backend: str) -> list:
@@ -135,18 +136,28 @@ def _key(kernel_name: str, dtype, meta: dict, with_tile: bool) -> tuple:
     return (kernel_name, str(dtype), tuple(sorted(keep.items())))
 
 
+# The kernel modules' functions that make a launch's constexprs, by the name they record.
+RECORDED = {"forward_stats": "meta", "logits_grad": "meta", "logits_grad_rows": "rows_meta"}
+
+
+def _variant_name(module_name: str, kernel) -> str:
+    """The recorded name of a listed variant's kernel."""
+    return "logits_grad_rows" if "rows" in getattr(kernel, "__name__", "") else module_name
+
+
 def _recording(module, name: str, seen: list):
-    """Wrap ``module.meta`` (the kernel module's, which its launcher in
-    ``vocab_parallel.backends.triton_backend`` calls) so that each launch's constexprs are
-    recorded."""
-    original = module.meta
+    """Wrap the kernel module's function that makes a launch's constexprs
+    (:data:`RECORDED`; its launcher in ``vocab_parallel.backends.triton_backend`` calls it)
+    so that each launch's constexprs are recorded."""
+    attr = RECORDED[name]
+    original = getattr(module, attr)
 
     def meta(dtype, *args, **kwargs):
         out = original(dtype, *args, **kwargs)
         seen.append((name, str(dtype), out))
         return out
 
-    module.meta = meta
+    setattr(module, attr, meta)
 
 
 def rel(a, b) -> float:
@@ -169,6 +180,7 @@ def run_cases(job: tuple[list[dict], str]) -> tuple[list[dict], list]:
     seen: list = []
     _recording(forward, "forward_stats", seen)
     _recording(backward, "logits_grad", seen)
+    _recording(backward, "logits_grad_rows", seen)
     from vocab_parallel.backends import triton_backend
 
     gemm_with_fp32_output = triton_backend._gemm_with_fp32_output
@@ -192,14 +204,16 @@ def run_cases(job: tuple[list[dict], str]) -> tuple[list[dict], list]:
             out = {be: token_stats_outputs(c, x, w, b, y, up, be) for be in ("triton", "torch")}
         for backend in () if out else ("triton", "torch"):
             leaves = [t.clone().requires_grad_(True) for t in (x, w) + ((b,) if c["bias"] else ())]
+            scalar = c["mode"] == "grad_in_forward"  # a sum, its upstream one number
             loss = vp.vocab_parallel_linear_cross_entropy(
-                leaves[0], leaves[1], y, reduction="none", mode=c["mode"], backend=backend,
+                leaves[0], leaves[1], y, reduction="sum" if scalar else "none",
+                mode=c["mode"], backend=backend,
                 bias=leaves[2] if c["bias"] else None, softcap=c["softcap"],
                 label_smoothing=c["label_smoothing"], z_loss=c["z_loss"],
                 temperature=_temperature(c, x) if c["scaled"] else 1.0,
                 class_weight=_class_weight(c, w) if c["scaled"] else None,
             )  # fmt: skip
-            loss.backward(up)
+            loss.backward(up.mean() if scalar else up)
             out[backend] = [loss.detach()] + [t.grad for t in leaves]
         errs = [rel(a, b_) for a, b_ in zip(out["triton"], out["torch"], strict=True)]
         rows.append(c | {"err": max(errs), "ok": max(errs) <= TOL[c["dtype"]]})
@@ -238,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     capability = None if args.dry_run else torch.cuda.get_device_capability()
     listed = set()
     for name, module in (("forward_stats", forward), ("logits_grad", backward)):
-        for _kernel, dtype, meta in module.launch_variants(capability or (9, 0)):
+        for kernel, dtype, meta in module.launch_variants(capability or (9, 0)):
             meta = {k: v for k, v in meta.items() if k not in LAUNCH_ONLY}
             if args.dry_run:  # the interpreter has one tile and its own DOT_FP32/ROUND_BF16
                 meta = {k: v for k, v in meta.items() if k not in ("DOT_FP32", "ROUND_BF16")}
-            listed.add(_key(name, dtype, meta, not args.dry_run))
+            listed.add(_key(_variant_name(name, kernel), dtype, meta, not args.dry_run))
 
     todo = cases(args.dry_run)
     jobs = max(1, min(args.jobs or (2 if args.dry_run else 8), len(todo)))

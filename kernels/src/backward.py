@@ -1,4 +1,4 @@
-"""Triton kernel of the fused linear + cross-entropy backward: one chunk of ``G``.
+"""Triton kernels of the fused linear + cross-entropy backward: ``G``, by chunk or whole rows.
 
 The backward of ``loss = CE(z, y) + z_loss * lse^2`` with ``z = cap(r)``,
 ``r = x @ W.T + b`` (``cap(r) = c * tanh(r / c)`` with ``softcap`` c, else the identity),
@@ -9,14 +9,17 @@ over one vocabulary shard is (the operator's math: ``vocab_parallel.ops``)
     cap'(r)     = 1 - tanh(r / c)^2                           (q: target distribution)
     grad_input  = G @ W;   grad_weight = G.T @ x;   grad_bias = G.sum(0)
 
-The full ``G`` is ``[BT, V]``; nobody holds it. Its launcher
-(``vocab_parallel.backends.triton_backend.fused_backward``) walks the vocabulary in chunks of
-``CV`` columns and, for each, launches ``logits_grad_kernel``, which recomputes the
-logits tile by tile (memory-saving mode: bias and cap included), or reads the saved
-softmax or the saved capped logits (high-performance mode) and applies the whole
-epilogue in registers: cap, exp, normalise, z-loss scale, one-hot, label smoothing, scale
-by ``grad``, the cap's derivative, round to the input dtype. Only the chunk
-``G[:, v0:v0+CV]`` reaches memory; the two gradient GEMMs are the launcher's (torch).
+``logits_grad_kernel`` makes one chunk ``G[:, v0:v0+CV]`` (its launcher,
+``vocab_parallel.backends.triton_backend.fused_backward``, walks the vocabulary in chunks
+and hands each to the two gradient GEMMs): it recomputes the logits tile by tile
+(memory-saving mode: bias and cap included), or reads the saved softmax or the saved
+capped logits (high-performance mode), and applies the whole epilogue in registers
+(``grad_tile``): cap, exp, normalise, z-loss scale, one-hot, label smoothing, scale by
+``grad``, the cap's derivative, round to the input dtype.
+
+``logits_grad_rows_kernel`` makes ``G`` of whole rows in one launch, written over the
+saved fp32 logits it reads (grad_in_forward's token chunk, whose logits nobody reads
+again): no buffer of its own, and the two GEMMs read it in one piece.
 
 Every kernel output element is written by one program (no atomics): results are bitwise
 deterministic.
@@ -40,6 +43,47 @@ from .common import (
     tanh,
     tile_configs,
 )
+
+
+@triton.jit
+def grad_tile(
+    prob,  # [M, N] fp32 softmax of the tile's rows
+    z,  # [M, N] fp32 capped logits (read with ENTROPY)
+    t,  # [M, N] fp32 tanh(r / c) of the cap (read with SOFTCAP)
+    row_max,  # [M] fp32 global logits max (read with ENTROPY)
+    pscale,  # [M] fp32 factor of the softmax (1 + 2 z_loss lse)
+    ent,  # [M] fp32 factor of p * (z - max) (read with ENTROPY)
+    target,  # [M] int64 local target column, -1 where not on this shard
+    upstream,  # [M] fp32 upstream gradient (SCALED: times the inverse temperature)
+    hot,  # [M] fp32 what each row's one-hot subtracts (read when SCALED)
+    cw,  # [N] fp32 class weight of each column (read when SCALED)
+    vcols,  # [N] shard columns of the tile
+    on_target,  # what the one-hot subtracts (the same for every row unless SCALED)
+    smooth_all,  # label_smoothing / global_vocab_size
+    SOFTCAP: tl.constexpr,
+    SCALED: tl.constexpr,
+    ENTROPY: tl.constexpr,
+):
+    """One fp32 tile of ``G`` from its softmax and row terms: the z-loss scale (or the
+    entropy's factor), the one-hot and label smoothing, the upstream gradient, the cap's
+    derivative. Both G kernels' epilogue."""
+    # z-loss: softmax * (1 + 2 z_loss lse); exactly the softmax (times 1.0) without it.
+    if ENTROPY:  # token statistics: p * (pscale + ent * (z - max)), z - max = log(p sum)
+        zm = z - row_max[:, None]
+        zm = tl.where(zm > float("-inf"), zm, 0.0)  # a -inf logit: p = 0, a finite factor
+        prob = prob * (pscale[:, None] + ent[:, None] * zm)
+    else:
+        prob = prob * pscale[:, None]
+    # One-hot of the local target (-1, never a column, where the target is elsewhere).
+    if SCALED:
+        onehot = tl.where(vcols[None, :] == target[:, None], hot[:, None], 0.0)
+        g = (prob - smooth_all * cw[None, :] - onehot) * upstream[:, None]
+    else:
+        onehot = tl.where(vcols[None, :] == target[:, None], on_target, 0.0)
+        g = (prob - smooth_all - onehot) * upstream[:, None]
+    if SOFTCAP:  # through the cap: dz/dr = 1 - tanh(r / c)^2
+        g = g * (1.0 - t * t)
+    return g
 
 
 @triton.jit
@@ -136,30 +180,29 @@ def logits_grad_kernel(
         row_max = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
         row_sum = tl.load(sumexp_ptr + rows, mask=row_ok, other=1.0)
         prob = tl.exp(z - row_max[:, None]) / row_sum[:, None]
-    # z-loss: softmax * (1 + 2 z_loss lse); exactly the softmax (times 1.0) without it.
     pscale = tl.load(pscale_ptr + rows * stride_ps, mask=row_ok, other=1.0)
-    if ENTROPY:  # token statistics: p * (pscale + ent * (z - max)), z - max = log(p sum)
-        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-        zm = z - row_max[:, None]
-        zm = tl.where(zm > float("-inf"), zm, 0.0)  # a -inf logit: p = 0, a finite factor
-        prob = prob * (pscale[:, None] + ent[:, None] * zm)
-    else:
-        prob = prob * pscale[:, None]
-
-    # One-hot of the local target (-1, never a column, where the target is elsewhere).
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
     upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
+    if ENTROPY:
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+    else:
+        ent = pscale  # never read
     if SCALED:
         hot = tl.load(ontarget_ptr + rows, mask=row_ok, other=0.0)
-        onehot = tl.where(vcols[None, :] == target[:, None], hot[:, None], 0.0)
         cw = tl.load(cw_ptr + vcols, mask=col_ok, other=0.0)
         upstream = upstream * inv_t  # d z / d cap(r) = 1 / T
-        g = (prob - smooth_all * cw[None, :] - onehot) * upstream[:, None]
     else:
-        onehot = tl.where(vcols[None, :] == target[:, None], on_target, 0.0)
-        g = (prob - smooth_all - onehot) * upstream[:, None]
-    if SOFTCAP:  # through the cap: dz/dr = 1 - tanh(r / c)^2
-        g = g * (1.0 - t * t)
+        hot = pscale  # never read
+        cw = pscale
+    if HAS_SOFTMAX:
+        row_max = pscale  # never read (no entropy from a saved softmax)
+        z = prob
+    if not SOFTCAP:
+        t = prob  # never read
+    g = grad_tile(
+        prob, z, t, row_max, pscale, ent, target, upstream, hot, cw, vcols,
+        on_target, smooth_all, SOFTCAP, SCALED, ENTROPY,
+    )  # fmt: skip
     if ROUND_BF16:
         g = round_bf16_rtne(g)
     tl.store(
@@ -167,6 +210,115 @@ def logits_grad_kernel(
         g.to(g_ptr.dtype.element_ty),
         mask=tile_ok,
     )
+
+
+@triton.jit
+def logits_grad_rows_kernel(
+    # Pointers
+    z_ptr,  # [BT, V] fp32 logits of columns [v_start, v_start + V), rows of stride_zm
+    #         elements: the capped logits z, or with RAW the products x @ W.T; G overwrites them
+    g_ptr,  # G, input dtype: z's storage (the same address), rows of stride_gm elements
+    b_ptr,  # [V_shard] bias of the shard's rows, input dtype (read when HAS_BIAS)
+    grad_ptr,  # [BT] or [1] fp32 upstream gradient
+    target_ptr,  # [BT] int64 local target column (of the shard), -1 where not on it
+    max_ptr,  # [BT] fp32 global logits max
+    sumexp_ptr,  # [BT] fp32 global sum of exp(logits - max)
+    pscale_ptr,  # [BT] or [1] fp32 factor of the softmax: 1 + 2 * z_loss * lse
+    ontarget_ptr,  # [BT] fp32 what each row's one-hot subtracts (SCALED; else on_target)
+    cw_ptr,  # [V_shard] fp32 class weight of each shard column, factor of smooth_all (SCALED)
+    invt_ptr,  # [BT] fp32 inverse temperature of each row (SCALED)
+    ent_ptr,  # [BT] fp32 factor of p * (z - max), the entropy's gradient (ENTROPY)
+    # Sizes
+    BT,
+    V,  # columns of z (and of G)
+    v_start,  # the shard column of z's first column
+    # Strides (columns are contiguous)
+    stride_zm,  # z's row stride, in fp32 elements
+    stride_gm,  # G's row stride, in elements of the input dtype (stride_zm * 4 / itemsize)
+    stride_grad,  # 0 broadcasts a single upstream gradient
+    stride_ps,  # 0 broadcasts a single factor (1.0 without z-loss)
+    # Scalars of the target distribution q = on_target * onehot + smooth_all (* cw)
+    on_target,
+    smooth_all,
+    softcap,  # c of z = c * tanh(r / c) (only read when SOFTCAP)
+    # Meta-parameters
+    RAW: tl.constexpr,  # z_ptr holds x @ W.T: bias, cap and temperature applied here
+    HAS_BIAS: tl.constexpr,  # (RAW) the products get bias[cols]
+    SOFTCAP: tl.constexpr,
+    SCALED: tl.constexpr,
+    ENTROPY: tl.constexpr,  # the softmax's factor gets ent * (z - max)
+    ROUND_BF16: tl.constexpr,  # round G to bf16 by hand (interpreter truncates)
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # columns per step of the row walk
+):
+    """``G`` of whole rows in place of their logits: ``G[i, j]`` is stored at element
+    ``i * stride_gm + j`` of the input dtype, inside the bytes of ``z``'s row ``i`` (its
+    first half for half inputs; the same elements for fp32). With ``RAW`` the logits are
+    made from the products exactly as the forward statistics' kernel makes them
+    (``FROM_LOGITS``: bias, ``tanh``, temperature, in that order). Each program owns
+    ``BLOCK_M`` rows and walks their columns in order: a step's stores land on columns
+    ``< (step + 1) * BLOCK_N`` of the same rows, which this program has read already, and
+    its loads ahead of them are never written before they are read. The barrier between
+    a step's loads and its stores keeps the warps of the program in step (a warp's
+    stores would otherwise overwrite what a slower warp has still to read)."""
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    row_ok = rows < BT
+    row_max = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
+    row_sum = tl.load(sumexp_ptr + rows, mask=row_ok, other=1.0)
+    pscale = tl.load(pscale_ptr + rows * stride_ps, mask=row_ok, other=1.0)
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+    upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
+    if ENTROPY:
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+    else:
+        ent = pscale  # never read
+    if SCALED:
+        hot = tl.load(ontarget_ptr + rows, mask=row_ok, other=0.0)
+        inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=1.0)
+        upstream = upstream * inv_t  # d z / d cap(r) = 1 / T
+    else:
+        hot = pscale  # never read
+    inv_softcap = 1.0 / softcap
+    z_rows = z_ptr + rows[:, None] * stride_zm
+    g_rows = g_ptr + rows[:, None] * stride_gm
+    for c0 in range(0, V, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        col_ok = cols < V
+        vcols = v_start + cols  # shard columns
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        z = tl.load(z_rows + cols[None, :], mask=tile_ok, other=0.0)
+        if SCALED:
+            cw = tl.load(cw_ptr + vcols, mask=col_ok, other=0.0)
+        else:
+            cw = pscale  # never read
+        if RAW:  # the forward's z (forward_stats_kernel, FROM_LOGITS)
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + vcols, mask=col_ok, other=0.0)
+                z += bias.to(tl.float32)[None, :]
+            if SOFTCAP:
+                t = tanh(z * inv_softcap)
+                z = t * softcap
+            else:
+                t = z  # never read
+            if SCALED:
+                z = z * inv_t[:, None]
+        elif SOFTCAP:  # z = c * tanh(r / c) (* invt): tanh from z
+            if SCALED:  # noqa: SIM108 (a constexpr branch: one side is compiled)
+                t = z * (1.0 / (softcap * inv_t))[:, None]
+            else:
+                t = z * inv_softcap
+        else:
+            t = z  # never read
+        prob = tl.exp(z - row_max[:, None]) / row_sum[:, None]
+        g = grad_tile(
+            prob, z, t, row_max, pscale, ent, target, upstream, hot, cw, vcols,
+            on_target, smooth_all, SOFTCAP, SCALED, ENTROPY,
+        )  # fmt: skip
+        if ROUND_BF16:
+            g = round_bf16_rtne(g)
+        tl.debug_barrier()  # every warp's loads of this step before any store over them
+        tl.store(g_rows + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=tile_ok)
 
 
 # Where G's softmax comes from: recomputed logits, a saved softmax, saved capped logits.
@@ -194,6 +346,36 @@ def meta(
         DOT_FP32=dot_in_fp32(dtype),
         ROUND_BF16=interpreting() and dtype == torch.bfloat16,
         **tile.meta(),
+    )
+
+
+def rows_meta(
+    dtype: torch.dtype,
+    softcap: bool,
+    scaled: bool,
+    entropy: bool = False,
+    raw: bool = False,
+    has_bias: bool = False,
+) -> dict:
+    """Constexprs and launch options of a :func:`logits_grad_rows_kernel` launch. On a
+    GPU one row per program and 1024 columns a step (8 warps, 4 fp32 values a thread;
+    at 8 values the softcap's ``tanh`` beside the entropy's term spills 4 bytes on sm_80,
+    ``scripts/aot_compile.py --match rows``): a token chunk of 2048 rows is 2048
+    programs, 16 per SM of an H200 (8 resident at 64 warps), 32 KiB of loads in flight
+    per SM (what its bandwidth needs: about 26 KiB per SM, without a pipeline). The
+    interpreter: 2 rows of 64 columns (several steps and masked rows in small tests)."""
+    bm, bn, warps = (2, 64, 4) if interpreting() else (1, 1024, 8)
+    return dict(
+        RAW=raw,
+        HAS_BIAS=has_bias,
+        SOFTCAP=softcap,
+        SCALED=scaled,
+        ENTROPY=entropy,
+        ROUND_BF16=interpreting() and dtype == torch.bfloat16,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        num_warps=warps,
+        num_stages=1,
     )
 
 
@@ -241,4 +423,15 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
                     tile = entropy_tile(tile, entropy, softcap)
                     kw = meta(dtype, source, has_bias, softcap, scaled, tile, entropy)
                     variants.append((logits_grad_kernel, dtype, kw))
+    # G of whole rows over their logits: grad_in_forward's kept token chunk (the cross
+    # entropy: no entropy term), or a column chunk of products made by a GEMM (RAW: the
+    # recomputing modes, bias included, the token statistics' entropy term too).
+    for raw, has_bias, softcap, (scaled, entropy), dtype in itertools.product(
+        (False, True), (False, True), (False, True), kinds,
+        (torch.float16, torch.bfloat16, torch.float32),
+    ):  # fmt: skip
+        if (has_bias or entropy) and not raw:
+            continue
+        kw = rows_meta(dtype, softcap, scaled, entropy, raw, has_bias)
+        variants.append((logits_grad_rows_kernel, dtype, kw))
     return variants

@@ -159,12 +159,17 @@ def forward_stats_kernel(
         tl.store(exp2_ptr + out, exp2, mask=row_ok)
 
 
-def epilogue_tile(tile: TileConfig) -> TileConfig:
+def epilogue_tile(tile: TileConfig, extra_stats: bool = False) -> TileConfig:
     """The tile of a ``FROM_LOGITS`` launch: half the columns of the products' tile. No
     products, but the tile's int64 addresses are live from its load to its store: at the
     products' width ptxas needs 255 registers (and spills on sm_80) for odd strides
-    (``scripts/aot_compile.py --match FROM_LOGITS``)."""
-    return dataclasses.replace(tile, BLOCK_N=max(16, tile.BLOCK_N // 2))
+    (``scripts/aot_compile.py --match FROM_LOGITS``). With the extra statistics at most
+    32 rows as well (64 rows spill 4-8 bytes on sm_90 at odd strides with a bias, at
+    ptxas's 128-register cap for 8 warps)."""
+    tile = dataclasses.replace(tile, BLOCK_N=max(16, tile.BLOCK_N // 2))
+    if extra_stats:
+        tile = dataclasses.replace(tile, BLOCK_M=min(32, tile.BLOCK_M))
+    return tile
 
 
 def meta(
@@ -199,18 +204,19 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
     ``capability``: what the ahead-of-time compile test compiles."""
     variants = []
     # store, logit sum, bias, cap, scaled, extra stats (never with the logit sum: the token
-    # statistics have no label smoothing)
-    # and from the logits of a GEMM (only when they are stored; stored without it only for
-    # half inputs, where torch has no half GEMM with fp32 output: an older torch)
+    # statistics have no label smoothing), and from the products of a GEMM (a kept block,
+    # stored, or a column chunk, not). The kernel's own tile GEMM only for half inputs,
+    # where torch has no half GEMM with fp32 output (an older torch): fp32 products are
+    # always a GEMM's.
     flags = itertools.product((False, True), repeat=7)
     for store, logit_sum, has_bias, softcap, scaled, extra, from_logits in flags:
-        if (logit_sum and extra) or (from_logits and not store):
+        if logit_sum and extra:
             continue
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            if store and not from_logits and dtype == torch.float32:
-                continue  # fp32 logits are always one GEMM's
+            if not from_logits and dtype == torch.float32:
+                continue
             for tile in tile_configs("forward_stats", dtype, capability, heavy_epilogue=extra):
-                tile = epilogue_tile(tile) if from_logits else tile
+                tile = epilogue_tile(tile, extra) if from_logits else tile
                 kw = meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile, extra,
                           from_logits)  # fmt: skip
                 variants.append((forward_stats_kernel, dtype, kw))

@@ -140,8 +140,9 @@ def test_chunking_changes_only_rounding(monkeypatch):
 
 
 def test_token_rows_are_the_same_on_every_rank(monkeypatch):
-    """Derived from tokens, global vocabulary and world size only (never the local shard),
-    so uneven shards still issue the same collectives; a multiple of 64 when large."""
+    """Derived from tokens, global vocabulary, world size, hidden size and dtype only
+    (never the local shard), so uneven shards still issue the same collectives; a
+    multiple of 64 when large, the chunks as even as that allows."""
     assert token_rows(4096, 32768, 1, "cpu") == 512  # MAX_ROWS
     assert token_rows(4096, 131072, 1, "cpu") == 256
     assert token_rows(4096, 131072, 2, "cpu") == 512
@@ -150,6 +151,13 @@ def test_token_rows_are_the_same_on_every_rank(monkeypatch):
     assert token_rows(4096, 10**9, 1, "cpu") == 1  # never 0
     assert token_rows(0, 389, 1, "cpu") == 1
     assert token_rows(4096, 131072, 1, "cuda") == 1024
+    # GPUs, half inputs: the gradients handed back bound the blocks (2 bytes x (V + N) x H)
+    assert token_rows(8192, 128256, 1, "cuda", 1, 4096, 2) == 2048  # 1066 MiB: 4 chunks
+    assert token_rows(8192, 128256, 1, "cuda", 1, 4096, 4) == 1024  # fp32: the workspace
+    assert token_rows(4096, 128256, 1, "cuda", 2, 4096, 2) == 1024  # two heads
+    assert token_rows(8192, 128256, 1, "cpu", 1, 4096, 2) == 256  # the CPU: the workspace
+    assert token_rows(8000, 128256, 1, "cuda", 1, 4096, 2) == 2048  # 4 chunks, 64-row even
+    assert token_rows(8192, 256000, 1, "cuda", 1, 2304, 2) == 1024  # 8 even chunks, not 7.1
     monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", small_chunks(7, 389, 4))
     assert token_rows(4096, 389, 4, "cpu") == 7
     assert token_rows(4096, 389, 4, "cpu", heads=2) == 3  # two heads' blocks share it

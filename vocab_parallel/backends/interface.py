@@ -95,6 +95,9 @@ class Outputs:
     ``grad_input`` (fp32); ``grad_weight_acc`` and ``grad_bias_acc`` get the products
     added, or written when ``accumulate`` is False (the first chunk). ``filter``: the
     tiles of ``G`` the products may leave out (``vocab_parallel.engine.filtering``; None: exact).
+    ``g_out``: ``[BT, V]`` in the inputs' dtype: ``G`` is written there, rounded as the
+    products would see it, and no product is made (grad_in_forward's kept ``G``, whose
+    GEMMs run in the backward).
     """
 
     need_input: bool = True
@@ -106,6 +109,7 @@ class Outputs:
     grad_bias_acc: torch.Tensor | None = None
     accumulate: bool = True
     filter: GradientFilter | None = None
+    g_out: torch.Tensor | None = None
 
 
 class LocalStats(NamedTuple):

@@ -66,6 +66,10 @@ def gradient_products(
     if not (need_input_grad or need_weight_grad or need_bias_grad):
         return Grads(None, None, None)
     gi_dtype = out.grad_input_dtype or dtype
+    if out.g_out is not None:
+        if bt and v:
+            _keep_g(x, weight, cv, make_g, out.g_out, g_reads_operands)
+        return Grads(None, None, None)
     # H = 0: empty products, but the bias alone still makes logits (and a bias gradient).
     if bt == 0 or v == 0 or (h == 0 and not need_bias_grad):
         return _no_products(x, weight, out, gi_dtype, bias_grad_dtype)
@@ -81,6 +85,20 @@ def gradient_products(
     if need_input_grad:
         grad_input = plan.acc if grad_input_out is not None else plan.acc.to(gi_dtype)
     return Grads(grad_input, plan.grad_weight, plan.grad_bias)
+
+
+def _keep_g(x, weight, cv: int, make_g: MakeG, g_out: torch.Tensor, g_reads_operands: bool):
+    """``G`` chunk by chunk into ``g_out`` (the inputs' dtype), rounded as the products
+    would see it; a chunk ``make_g`` wrote there already is left as it is."""
+    v = weight.shape[0]
+    operand = precision.operand_dtype(x.dtype, x.device.type)
+    x_op = x.to(operand) if g_reads_operands else None
+    for v0 in range(0, v, cv):
+        v1 = min(v, v0 + cv)
+        w_op = weight[v0:v1].to(operand) if g_reads_operands else None
+        g, dst = make_g(v0, v1, x_op, w_op), g_out[:, v0:v1]
+        if g.data_ptr() != dst.data_ptr() or g.dtype != dst.dtype:
+            dst.copy_(precision.round_to(g, x.dtype, operand))
 
 
 @dataclass

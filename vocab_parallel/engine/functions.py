@@ -27,7 +27,7 @@ from vocab_parallel.engine import precision
 from vocab_parallel.engine.autograd import guarded_backward, no_autocast, sum_grad_input
 from vocab_parallel.engine.chunking import gradient_products
 from vocab_parallel.engine.epilogue import Epilogue, HeadChunks, cat_terms, statistics
-from vocab_parallel.engine.grad_in_forward import hand_out, outputs, walk_token_chunks
+from vocab_parallel.engine.grad_in_forward import hand_out, outputs, save, walk_token_chunks
 from vocab_parallel.engine.objective import Call, Objective
 from vocab_parallel.engine.reduction import mean_denominator
 from vocab_parallel.parallel.collectives import world_size
@@ -143,7 +143,7 @@ class GradInForwardLoss(torch.autograd.Function):
                     grad = token_grad[r0:r1]
                     _products(part, terms, chunks, x, weight, bias, grad, outputs(needs, buffers))
 
-            ctx.grads = walk_token_chunks(hidden, weight, call, needs, step, ep.heads)
+            grads = walk_token_chunks(hidden, weight, call, needs, step, ep.heads)
             loss = losses.sum()
             if call.opts.reduction == "mean":
                 loss = loss / mean_denominator(weights)
@@ -151,7 +151,7 @@ class GradInForwardLoss(torch.autograd.Function):
         ctx.dtypes = (hidden.dtype, hidden.dtype if bias is None else bias.dtype)
         ctx.device_type = hidden.device.type
         # What a second backward (retain_graph=True) recomputes the gradients from.
-        ctx.save_for_backward(hidden, weight, bias, token_grad)
+        save(ctx, grads, hidden, weight, bias, token_grad)
         ctx.call, ctx.ep = call, ep
         ctx.terms = cat_terms(parts, None) if parts else None
         return loss
@@ -159,7 +159,7 @@ class GradInForwardLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         def recompute(ctx, grad_loss, need):
-            hidden, weight, bias, token_grad = ctx.saved_tensors
+            hidden, weight, bias, token_grad = ctx.saved_tensors[:-1]
             grad = token_grad * grad_loss.to(token_grad.dtype)
             return _backward(ctx.call, ctx.ep, ctx.terms, hidden, weight, bias, grad, need)
 

@@ -10,10 +10,19 @@ Nothing in the library is ``[tokens, V_local]`` unless a mode promises it
 
     token rows     grad_in_forward's chunk: the fp32 ``[rows, ceil(Vg / world)]`` logits
                    of every head the objective keeps (1: cross entropy; 2: a dense
-                   teacher's distillation) fit W together; at most MAX_ROWS rows on CPUs;
-                   a multiple of 64 above 64; sized from what every rank shares (tokens,
-                   global vocabulary, world size), so every rank issues the same
-                   collectives
+                   teacher's distillation) fit W together, or on GPUs with half inputs
+                   the bytes of the gradients the call hands back if that is more (the
+                   hand-out holds those and their fp32 accumulators at once: blocks up to
+                   that size add nothing to the call's peak; the Llama-3 head at 8192
+                   tokens: 1066 MiB, 2048 rows, 4 chunks); at most MAX_ROWS rows on
+                   CPUs; a multiple of 64 above 64, the chunks as even as that allows;
+                   sized from what every rank shares (tokens, global vocabulary, world
+                   size, hidden size, dtype), so every rank issues the same collectives
+    kept G         on GPUs, half inputs: grad_in_forward keeps G (``[tokens, V_local]``,
+                   the inputs' dtype) for the backward's GEMMs where it is no larger than
+                   the fp32 accumulators it replaces (:func:`keeps_g`; the Llama-3 head
+                   at 8192 tokens: 2004 MiB against 2132 MiB), else the products are
+                   added into fp32 accumulators chunk by chunk
     columns        a pass over vocabulary columns of ``rows`` tokens takes a SHARE of W:
                    its ``[rows, cols]`` block (and the fp32 ``[cols, H]`` product of
                    grad_weight's rows) fits ``SHARES[what] * W``; a multiple of 128 (whole
@@ -51,16 +60,62 @@ def workspace_bytes(device_type: str) -> int:
     return WORKSPACE_BYTES.get(device_type, DEFAULT_WORKSPACE_BYTES)
 
 
-def token_rows(tokens: int, global_size: int, world: int, device_type: str, heads: int = 1) -> int:
+def token_rows(
+    tokens: int,
+    global_size: int,
+    world: int,
+    device_type: str,
+    heads: int = 1,
+    hidden: int = 0,
+    itemsize: int = 4,
+) -> int:
     """Token rows per grad_in_forward chunk: ``heads`` fp32 ``[rows, ceil(global_size /
-    world)]`` blocks (an even share of the vocabulary) fit the workspace, at most the
+    world)]`` blocks (an even share of the vocabulary) fit the budget, at most the
     device's :data:`MAX_ROWS`; at least one row, at most ``tokens``, a multiple of 64 when
-    above 64. The same on every rank of the group."""
-    per_row = 4 * max(1, heads) * max(1, -(-global_size // max(1, world)))
-    rows = max(1, min(workspace_bytes(device_type) // per_row, MAX_ROWS.get(device_type, tokens)))
+    above 64, and the tokens cut into chunks as even as that allows. The same on every
+    rank of the group (nothing here differs between ranks).
+
+    The budget is the workspace, and on GPUs (every device type but the CPU) with half
+    inputs (``itemsize`` < 4) at least the bytes of the gradients the call hands back
+    (:func:`returned_bytes`): the hand-out makes them from their fp32 accumulators while
+    those still live, so kept blocks up to that size raise no peak of the call."""
+    share = max(1, -(-global_size // max(1, world)))
+    per_row = 4 * max(1, heads) * share
+    budget = workspace_bytes(device_type)
+    if device_type != "cpu" and itemsize < 4:
+        budget = max(budget, returned_bytes(tokens, share, hidden, itemsize))
+    rows = max(1, min(budget // per_row, MAX_ROWS.get(device_type, tokens)))
     if rows > 64:
         rows = rows // 64 * 64
-    return max(1, min(tokens, rows))
+    rows = max(1, min(tokens, rows))
+    if rows > 64:  # as even as 64-row multiples allow: every chunk's GEMMs alike
+        chunks = -(-tokens // rows)
+        even = -(-tokens // chunks)
+        rows = min(rows, -(-even // 64) * 64)
+    return rows
+
+
+def keeps_g(
+    tokens: int, global_size: int, world: int, hidden: int, itemsize: int, device_type: str
+) -> bool:
+    """Whether grad_in_forward keeps ``G`` (``[tokens, V_local]`` in the inputs' dtype)
+    for the backward's two GEMMs instead of adding each token chunk's products into fp32
+    accumulators in the forward: on GPUs (every device type but the CPU), with half
+    inputs, where ``G`` takes no more bytes than the fp32 ``[V_local, H]`` and
+    ``[tokens, H]`` accumulators it replaces. Each later chunk's accumulating GEMM reads
+    and writes the whole fp32 ``grad_weight`` (2 GiB at the Llama-3 head: 0.8 ms a chunk
+    on an H200, the first GPU run measured); the GEMMs of the whole ``G`` run once, at the
+    floor. Sized from what every rank shares (an even share of the vocabulary)."""
+    if device_type == "cpu" or itemsize >= 4:
+        return False
+    share = max(1, -(-global_size // max(1, world)))
+    return itemsize * tokens * share <= 4 * (share + tokens) * hidden
+
+
+def returned_bytes(tokens: int, share: int, hidden: int, itemsize: int) -> int:
+    """The bytes of grad_weight ``[share, hidden]`` and grad_input ``[tokens, hidden]`` in
+    the inputs' dtype: what grad_in_forward hands back."""
+    return itemsize * (share + tokens) * hidden
 
 
 def columns(

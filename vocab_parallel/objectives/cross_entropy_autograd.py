@@ -50,8 +50,8 @@ from vocab_parallel.backends.interface import Grads, Outputs
 from vocab_parallel.backends.registry import get_backend
 from vocab_parallel.engine import precision
 from vocab_parallel.engine.autograd import guarded_backward, no_autocast, sum_grad_input
-from vocab_parallel.engine.filtering import GradientFilter
-from vocab_parallel.engine.grad_in_forward import hand_out, walk_token_chunks
+from vocab_parallel.engine.filtering import GradientFilter, resolve_eps
+from vocab_parallel.engine.grad_in_forward import hand_out, save, walk_token_chunks
 from vocab_parallel.engine.objective import Call
 from vocab_parallel.engine.reduction import mean_denominator
 from vocab_parallel.objectives.cross_entropy import (
@@ -204,7 +204,7 @@ class GradInForwardLinearCE(torch.autograd.Function):
         fields = ("loss", "lse", "logits_max", "sum_exp")
         if call.class_weight is not None:
             fields += ("target_weight",)
-        per_token = {k: torch.empty(bt, dtype=accum, device=hidden.device) for k in fields}
+        parts = {k: [] for k in fields}  # each chunk's rows, joined after the walk
         weight_sum = []
 
         def step(r0, r1, blocks, buffers):
@@ -213,7 +213,7 @@ class GradInForwardLinearCE(torch.autograd.Function):
             stats = forward_stats(c_call, x_c, weight, bias, t_c, blocks[0])
             token = reduce_statistics(stats, t_c, c_call)
             for k in fields:
-                per_token[k][r0:r1] = getattr(token, k)
+                parts[k].append(getattr(token, k))
             if token.weight_sum is not None:
                 weight_sum[:] = [token.weight_sum]
             if buffers is not None:
@@ -223,7 +223,12 @@ class GradInForwardLinearCE(torch.autograd.Function):
                     c_call, grad, x_c, weight, bias, t_c, token, needs, source=source, **buffers
                 )
 
-        grads = walk_token_chunks(hidden, weight, call, needs, step)
+        filtered = resolve_eps(call.opts.filter_eps, hidden.dtype) is not None
+        grads = walk_token_chunks(hidden, weight, call, needs, step, may_keep_g=not filtered)
+        per_token = {
+            k: torch.cat(p) if p else torch.empty(bt, dtype=accum, device=hidden.device)
+            for k, p in parts.items()
+        }
         if call.class_weight is None:
             per_token["target_weight"] = (~ignored).to(accum)
         weights = per_token["target_weight"].masked_fill_(ignored, 0.0)
@@ -233,14 +238,14 @@ class GradInForwardLinearCE(torch.autograd.Function):
             loss = loss / denominator
             if post_scale:
                 token_grad = token_grad / denominator
-                for g in grads:
-                    if g is not None:
-                        g.div_(denominator)
+                grads.divide_(denominator)
         lse = per_token["lse"].masked_fill_(ignored, 0.0)
         ctx.mark_non_differentiable(lse, weights)
         ctx.set_materialize_grads(False)
         # What a second backward (retain_graph=True) needs to recompute the gradients.
-        ctx.save_for_backward(
+        save(
+            ctx,
+            grads,  # handed out by the first backward
             hidden,
             weight,
             bias,
@@ -252,7 +257,6 @@ class GradInForwardLinearCE(torch.autograd.Function):
             None if call.class_weight is None else weights,
             weight_sum[0] if weight_sum else None,
         )
-        ctx.grads = grads  # handed out by the first backward
         ctx.device_type = hidden.device.type
         ctx.dtypes = (hidden.dtype, hidden.dtype if bias is None else bias.dtype)
         ctx.call = call
@@ -266,7 +270,7 @@ class GradInForwardLinearCE(torch.autograd.Function):
     @staticmethod
     def _recompute(ctx, grad_loss, need):
         """The gradients again, memory-saving style (a second backward of the graph)."""
-        hidden, weight, bias, local_target, token_grad, *stats = ctx.saved_tensors
+        hidden, weight, bias, local_target, token_grad, *stats = ctx.saved_tensors[:-1]
         token = RowStats(None, *stats)
         accum = precision.accumulate_dtype(hidden.dtype)
         grad = token_grad * grad_loss.to(accum)

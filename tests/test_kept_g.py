@@ -1,0 +1,179 @@
+"""grad_in_forward with ``G`` kept for the backward's GEMMs (``KeptG``,
+``vocab_parallel.engine.memory_policy.keeps_g``): the GPU plan for half inputs where ``G``
+is no larger than the fp32 accumulators it replaces.
+
+The policy picks it on GPUs only; here it is forced on (``memory.keeps_g`` answers yes)
+so that the same plan runs on the CPU (torch backend) and under Triton's interpreter.
+Checked: every option of the cross entropy and distillation against the unsharded
+float64 reference over several token chunks, both backends; a random upstream scalar; a
+mean over class weights (its 1 / count applied when the products are made); a second
+backward through the same graph and the error after the graph is freed; frozen inputs;
+``G`` freed by autograd after the backward; every rank of 2 and 3 gloo ranks; and the
+policy's own answers.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from helpers import BACKENDS, DEVICE, HAS_TRITON, device_for
+from multirank import run_ranks
+
+import vocab_parallel as vp
+from vocab_parallel.engine import grad_in_forward
+from vocab_parallel.engine import memory_policy as memory
+from vocab_parallel.testing import Case, check_case
+
+V = 389
+
+
+def _force(monkeypatch_or_none=None):
+    """Kept G everywhere, 5-row token chunks at V = 389 (37 tokens: 8 chunks)."""
+    if monkeypatch_or_none is None:  # a rank's process: set directly
+        memory.keeps_g = lambda *args: True
+        memory.WORKSPACE_BYTES["cpu"] = 5 * 4 * V
+        return
+    monkeypatch_or_none.setattr(memory, "keeps_g", lambda *args: True)
+    for device_type in {"cpu", DEVICE.type}:
+        monkeypatch_or_none.setitem(memory.WORKSPACE_BYTES, device_type, 5 * 4 * V)
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    _force(monkeypatch)
+    seen = []
+    original = grad_in_forward.KeptG.__init__
+
+    def init(self, *args):
+        seen.append(args[0].shape)
+        original(self, *args)
+
+    monkeypatch.setattr(grad_in_forward.KeptG, "__init__", init)
+    return seen
+
+
+def test_the_policy_keeps_g_on_gpus_where_it_is_no_larger():
+    # Llama-3 head, 8192 tokens: G 2004 MiB <= accumulators 2132 MiB
+    assert memory.keeps_g(8192, 128256, 1, 4096, 2, "cuda")
+    assert memory.keeps_g(4096, 128256, 1, 4096, 2, "cuda")
+    # Gemma-like head: G 4000 MiB > 2322 MiB; more tokens than 2 H: larger too
+    assert not memory.keeps_g(8192, 256000, 1, 2304, 2, "cuda")
+    assert not memory.keeps_g(16384, 128256, 1, 4096, 2, "cuda")
+    assert memory.keeps_g(16384, 128256, 8, 4096, 2, "cuda")  # 8-way TP: its share
+    assert not memory.keeps_g(8192, 128256, 1, 4096, 2, "cpu")  # the CPU plan as it was
+    assert not memory.keeps_g(8192, 128256, 1, 4096, 4, "cuda")  # fp32 inputs
+
+
+def _ce_cases(backend):
+    return [
+        Case(mode="grad_in_forward", backend=backend, dtype=dtype, reduction=reduction, **opts)
+        for dtype in ("float32", "bfloat16")
+        for reduction, opts in (
+            ("mean", {}),
+            ("sum", dict(softcap=3.0, z_loss=1e-3, bias=True, label_smoothing=0.1)),
+            ("mean", dict(class_weight=True, temperature="tensor", label_smoothing=0.1)),
+            ("sum", dict(all_ignored=True)),
+        )
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_entropy_matches_float64_reference(backend, kept):
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    results = [check_case(c, None, device_for(backend)) for c in _ce_cases(backend)]
+    assert not [r for r in results if not r["ok"]], results
+    assert kept and all(shape == (37, V) for shape in kept)
+
+
+def _distill(backend, dtype, divergence, scale):
+    gen, dev = torch.Generator().manual_seed(4), device_for(backend)
+    x = torch.randn(37, 24, generator=gen).to(dtype).to(dev).requires_grad_(True)
+    w = (torch.randn(V, 24, generator=gen) * 0.4).to(dtype).to(dev).requires_grad_(True)
+    xt = torch.randn(37, 16, generator=gen).to(dtype).to(dev)
+    wt = (torch.randn(V, 16, generator=gen) * 0.4).to(dtype).to(dev)
+    y = torch.randint(0, V, (37,), generator=gen).to(dev)
+    y[::6] = -100
+    loss = vp.vocab_parallel_distillation_loss(
+        x, w, teacher_hidden=xt, teacher_weight=wt, divergence=divergence, target=y,
+        hard_label_weight=0.3, temperature=1.5, backend=backend, mode="grad_in_forward",
+    )  # fmt: skip
+    (loss * scale).backward()
+    return [t.detach().double().cpu() for t in (loss, x.grad, w.grad)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+def test_distillation_equals_the_accumulated_plan(backend, divergence, monkeypatch):
+    """The same epilogue's G, its products made in the backward instead of the forward."""
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    monkeypatch.setitem(memory.WORKSPACE_BYTES, "cpu", 5 * 8 * V)
+    accumulated = _distill(backend, torch.float32, divergence, 0.6)
+    _force(monkeypatch)
+    kept = _distill(backend, torch.float32, divergence, 0.6)
+    for a, b in zip(kept, accumulated, strict=True):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_second_backward_makes_the_products_again_and_g_is_freed_after(kept):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(37, 33, generator=gen, requires_grad=True)
+    w = torch.randn(V, 33, generator=gen, requires_grad=True)
+    b = torch.randn(V, generator=gen, requires_grad=True)
+    y = torch.randint(0, V, (37,), generator=gen)
+    kw = dict(bias=b, z_loss=1e-3, softcap=5.0, label_smoothing=0.1, backend="torch")
+    loss = vp.vocab_parallel_linear_cross_entropy(x, w, y, mode="grad_in_forward", **kw)
+    first = torch.autograd.grad(loss * 2.0, (x, w, b), retain_graph=True)
+    second = torch.autograd.grad(loss * -0.5, (x, w, b))
+    ref_loss = vp.vocab_parallel_linear_cross_entropy(x, w, y, mode="memory_saving", **kw)
+    ref = torch.autograd.grad(ref_loss, (x, w, b))
+    for f, s, r in zip(first, second, ref, strict=True):
+        torch.testing.assert_close(f, 2.0 * r, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(s, -0.5 * r, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="second time|freed"):
+        torch.autograd.grad(loss, (x,))
+    # autograd freed the kept G with the graph's saved tensors: only the loss is left
+    gc.collect()
+    alive = [
+        t for t in gc.get_objects()
+        if type(t) is torch.Tensor and t.dtype == torch.float32 and tuple(t.shape) == (37, V)
+    ]  # fmt: skip
+    assert not alive
+
+
+@pytest.mark.parametrize("frozen", ["hidden", "weight"])
+def test_frozen_inputs_get_no_gradient(frozen, kept):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 33, generator=gen, requires_grad=frozen != "hidden")
+    w = torch.randn(V, 33, generator=gen, requires_grad=frozen != "weight")
+    y = torch.randint(0, V, (37,), generator=gen)
+    loss = vp.vocab_parallel_linear_cross_entropy(x, w, y, mode="grad_in_forward")
+    loss.backward()
+    ref = vp.vocab_parallel_linear_cross_entropy(x, w, y, mode="memory_saving")
+    live = x if frozen == "weight" else w
+    (expected,) = torch.autograd.grad(ref, (live,))
+    torch.testing.assert_close(live.grad, expected, rtol=1e-5, atol=1e-6)
+    assert (w if frozen == "weight" else x).grad is None
+
+
+def _ranks(group):
+    _force()
+    cases = [
+        Case(mode="grad_in_forward", backend="torch", reduction="mean"),
+        Case(mode="grad_in_forward", backend="torch", dtype="bfloat16", reduction="sum",
+             softcap=3.0, bias=True, label_smoothing=0.1),  # fmt: skip
+        Case(mode="grad_in_forward", backend="torch", reduction="mean", class_weight=True,
+             layout="reversed"),  # fmt: skip
+    ]
+    return [check_case(c, group, torch.device("cpu")) for c in cases]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_matches_reference(world):
+    """Uneven shards: grad_input's one all-reduce in the backward, every rank checked."""
+    bad = [r for rank in run_ranks(_ranks, world) for r in rank if not r["ok"]]
+    assert not bad, bad

@@ -42,11 +42,13 @@ class GPU:
     name: str
     tflops: float  # dense bf16 peak
     tbps: float  # HBM bandwidth, TB/s
-    launch_us: float  # host time per launch
+    host_us: float  # host time per launch issued from the library's Python
     gemm_efficiency: float = 0.88
 
 
-GPUS = {"h200": GPU("H200", 790.0, 4.3, 5.0)}
+# host_us: the first GPU run's distillation call spent 280 ms of CPU time on ~8,500
+# launches (1,536 kernels and ~7,000 small torch ops): 33 us each.
+GPUS = {"h200": GPU("H200", 790.0, 4.3, 33.0)}
 
 
 @dataclass(frozen=True)
@@ -108,18 +110,25 @@ ROWS = [
 ]  # fmt: skip
 
 
-def token_rows(tokens: int, vocab: int, heads: int) -> int:
-    """The engine's GPU token chunk (``vocab_parallel.engine.memory_policy``)."""
+def token_rows(tokens: int, vocab: int, heads: int, hidden: int) -> int:
+    """The engine's GPU token chunk for bf16 inputs (``vocab_parallel.engine.memory_policy``)."""
     from vocab_parallel.engine import memory_policy as memory
 
-    return memory.token_rows(tokens, vocab, 1, "cuda", heads)
+    return memory.token_rows(tokens, vocab, 1, "cuda", heads, hidden, 2)
 
 
-def column_width(tokens: int, vocab: int) -> int:
-    """The engine's GPU column chunk of all tokens (the "logits" share of the workspace)."""
+def keeps_g(tokens: int, vocab: int, hidden: int) -> bool:
+    """Whether the engine keeps G on a GPU for bf16 inputs (the memory policy's choice)."""
     from vocab_parallel.engine import memory_policy as memory
 
-    return memory.columns(tokens, vocab, "cuda", "logits")
+    return memory.keeps_g(tokens, vocab, 1, hidden, 2, "cuda")
+
+
+def column_width(tokens: int, vocab: int, hidden: int, what: str = "logits") -> int:
+    """The engine's GPU column chunk of ``tokens`` rows (a share of the workspace)."""
+    from vocab_parallel.engine import memory_policy as memory
+
+    return memory.columns(tokens, vocab, "cuda", what, h=hidden)
 
 
 def _gemm(name, m, n, k, chunks, out_bytes, extra_bytes=0.0):
@@ -129,56 +138,116 @@ def _gemm(name, m, n, k, chunks, out_bytes, extra_bytes=0.0):
     return Part(name, flops, bytes_, chunks, gemm=True)
 
 
-def token_chunked(n: int, h: int, v: int, heads: int, passes: int):
-    """Grad-in-forward: token chunks of ``R`` rows, each head's fp32 logits kept for the
-    chunk, ``G`` written in the input dtype over the student's (in place: no buffer of
-    its own), ``grad_input``'s rows by one GEMM in the input dtype (one rank; with
-    tensor parallelism fp32 rows for the SUM all-reduce), ``grad_weight`` added into its
-    fp32 ``[V, H]`` accumulator inside the GEMM."""
-    rows = token_rows(n, v, heads)
+# The distillation epilogue of today's code: torch ops per column chunk of the kept
+# blocks, each reading and writing about one fp32 block (benchmarks/launches.py counts
+# them: 2494 and 3899 launches per call at the headline, less the GEMMs and the
+# per-token work).
+TORCH_EPILOGUE_OPS = {"kd": 37, "kd_jsd": 58}
+
+
+def token_chunked(n: int, h: int, v: int, heads: int, passes: int, plan: str, fused: bool):
+    """Grad-in-forward (``vocab_parallel.engine.grad_in_forward``): token chunks of ``R``
+    rows, each head's fp32 logits kept for the chunk by one GEMM, the statistics (one
+    pass, two for the JSD), ``G`` in the input dtype (the cross entropy's row kernel;
+    ``fused=False``: today's distillation epilogue, torch ops on column chunks). Then, as
+    the memory policy chooses (``keeps_g``): ``G`` kept whole and its two GEMMs made once
+    in the backward (``grad_weight`` in vocabulary chunks of fp32 rows), times the
+    upstream scalar and rounded once; or per chunk ``grad_input``'s fp32 rows by one GEMM
+    and ``grad_weight`` added inside one GEMM into its fp32 ``[V, H]`` accumulator (whose
+    read and write by each later chunk's GEMM is counted as a pass of its own: the first
+    GPU run's prototype lost 0.8 ms a chunk to it), and the hand-out's one pass."""
+    rows = token_rows(n, v, heads, h)
     chunks = -(-n // rows)
     r = n / chunks  # the average chunk (the last one may be shorter)
     logits = 4.0 * r * v  # one head's fp32 chunk
     parts = [
         _gemm(f"logits GEMM, head {i} (fp32 out)", r, v, h, chunks, logits) for i in range(heads)
     ]
+    temps = 0.0
+    if fused:
+        parts += [
+            Part("epilogue: statistics (one pass)", 0, chunks * passes * heads * logits, chunks),
+            Part("epilogue: G over the logits (one pass)", 0, chunks * (heads * logits + 2 * r * v),
+                 chunks),
+        ]  # fmt: skip
+    else:
+        width = column_width(rows, v, h, "epilogue")
+        col_chunks = chunks * -(-v // width)
+        ops = TORCH_EPILOGUE_OPS[plan] * col_chunks
+        parts.append(Part(f"epilogue: torch ops ({TORCH_EPILOGUE_OPS[plan]} a column chunk)",
+                          0, ops * 2 * 4.0 * rows * width, ops))  # fmt: skip
+        temps = 4 * 4.0 * rows * width  # a handful of blocks live at once
+    grads = 2.0 * (v + n) * h
+    kept = 4.0 * rows * v * heads + temps  # the chunk's blocks (and temporaries)
+    if keeps_g(n, v, h):  # G kept (the inputs' dtype), its GEMMs in the backward
+        width = column_width(1, v, h)  # grad_weight's fp32 rows at a time
+        w_chunks = -(-v // width)
+        parts += [
+            _gemm("backward: grad_input = G @ W (fp32 out)", n, h, v, 1, 4.0 * n * h),
+            _gemm("backward: grad_weight rows = G.T @ x (fp32 out)", v / w_chunks, h, n,
+                  w_chunks, 4.0 * v * h / w_chunks),
+            Part("backward: x upstream scalar, rounded once (one pass)", 0, 6.0 * (v + n) * h,
+                 w_chunks + 1),
+        ]  # fmt: skip
+        backward = 2.0 * n * v + 4.0 * (width * h + n * h) + grads
+        extra = max(2.0 * n * v + kept, backward) - grads
+        return parts, extra, f"{chunks} token chunks of {rows} rows, G kept"
     parts += [
-        Part("epilogue: statistics (one pass)", 0, chunks * passes * heads * logits, chunks),
-        Part("epilogue: G in place (one pass)", 0, chunks * (heads * logits + 2 * r * v), chunks),
-        _gemm("grad_input = G @ W", r, h, v, chunks, 2.0 * r * h),
-        _gemm("grad_weight += G.T @ x (fp32, in the GEMM)", v, h, r, chunks, 0, 4.0 * v * h),
+        _gemm("grad_input = G @ W (fp32 out)", r, h, v, chunks, 4.0 * r * h),
+        _gemm("grad_weight += G.T @ x (fp32, in the GEMM)", v, h, r, chunks, 0),
+        Part("grad_weight accumulator: read and written by each later GEMM", 0,
+             (2 * chunks - 1) * 4.0 * v * h, 0),
+        Part("hand-out: x upstream scalar, rounded once (one pass)", 0, 6.0 * (v + n) * h, 2),
     ]  # fmt: skip
-    peak = 4.0 * v * h + heads * 4.0 * rows * v + 2.0 * n * h
-    return parts, peak, f"{chunks} token chunks of {rows} rows"
+    accumulators = 4.0 * (v + n) * h
+    extra = max(accumulators + kept, accumulators + grads) - grads
+    return parts, extra, f"{chunks} token chunks of {rows} rows, G accumulated"
 
 
-def column_chunked(n: int, h: int, v: int, heads: int = 1):
+def column_chunked(n: int, h: int, v: int, heads: int = 1, fused: bool = True, plan: str = ""):
     """Memory-saving (and per-token upstream gradients): all tokens, vocabulary chunks of
-    ``c`` columns; the forward makes each chunk's logits and statistics, the backward
-    makes them again, ``G``, ``grad_input`` added into its fp32 ``[N, H]`` inside the
-    GEMM and ``grad_weight``'s rows written once by one GEMM in the input dtype (all
-    tokens in one product: one rounding, as today)."""
-    width = column_width(n, v) // heads
+    ``c`` columns (the "logits" share; two heads share it); the forward makes each
+    chunk's products by a GEMM with fp32 output into one buffer and the statistics'
+    kernel reads them, the backward makes them again and the row kernel writes ``G`` over
+    them (bias, cap, temperature applied on the way), ``grad_input`` added inside a GEMM
+    into its fp32 ``[N, H]`` accumulator (read and written by each later chunk) and
+    ``grad_weight``'s rows by one GEMM with fp32 output into a scratch, rounded into the
+    gradient (one pass)."""
+    width = column_width(n, v, h) // heads
     chunks = -(-v // width)
     c = v / chunks  # the average chunk
     logits = 4.0 * n * c
     parts = []
     for i in range(heads):
         parts.append(_gemm(f"forward: logits GEMM, head {i} (fp32 out)", n, c, h, chunks, logits))
-    parts.append(Part("forward: statistics (one pass)", 0, chunks * heads * logits, chunks))
+    if fused:
+        parts.append(Part("forward: statistics (one pass)", 0, chunks * heads * logits, chunks))
     for i in range(heads):
         parts.append(_gemm(f"backward: logits GEMM again, head {i}", n, c, h, chunks, logits))
+    if fused:
+        parts.append(Part("backward: G over the products (one pass)", 0,
+                          chunks * (heads * logits + 2.0 * n * c), chunks))  # fmt: skip
+    else:
+        ops = 2 * TORCH_EPILOGUE_OPS[plan] * chunks  # forward and backward
+        parts.append(Part(f"epilogue: torch ops ({TORCH_EPILOGUE_OPS[plan]} a column chunk)",
+                          0, ops * 2 * logits, ops))  # fmt: skip
     parts += [
-        Part("backward: G in place (one pass)", 0, chunks * (heads * logits + 2.0 * n * c), chunks),
-        _gemm("grad_input += G @ W_c (fp32, in the GEMM)", n, h, c, chunks, 0, 8.0 * n * h),
-        _gemm("grad_weight[c] = G.T @ x (input dtype out)", c, h, n, chunks, 2.0 * c * h),
+        _gemm("grad_input += G @ W_c (fp32, in the GEMM)", n, h, c, chunks, 0),
+        Part("grad_input accumulator: read and written by each later GEMM", 0,
+             (2 * chunks - 1) * 4.0 * n * h, 0),
+        _gemm("grad_weight[c] = G.T @ x (fp32 scratch out)", c, h, n, chunks, 4.0 * c * h),
+        Part("grad_weight rows rounded from the scratch (one pass)", 0, 6.0 * v * h, chunks),
     ]
-    peak = heads * 4.0 * n * width + 4.0 * n * h
-    return parts, peak, f"{chunks} column chunks of {width}"
+    extra = heads * 4.0 * n * width + 4.0 * n * h + 4.0 * width * heads * h
+    if not fused:
+        extra += 4 * 4.0 * n * width  # the torch epilogue's temporaries
+    return parts, extra, f"{chunks} column chunks of {width}"
 
 
-def plan_parts(plan: str, n: int, h: int, v: int) -> tuple[list[Part], float, str]:
-    """The CUDA plan's parts of one call, its peak extra memory (bytes), its chunking."""
+def plan_parts(plan: str, n: int, h: int, v: int, fused: bool = True):
+    """The parts of one call of ``plan`` (the code's structure; ``fused=False``: today's
+    distillation epilogue of torch ops instead of a fused one), its extra memory (bytes
+    beyond inputs and the returned gradients), its chunking."""
     if plan in ("ce_ms", "stats"):
         return column_chunked(n, h, v)
     if plan == "stats_replay":  # + the candidates: one top-C pass per chunk, one all-gather
@@ -187,9 +256,9 @@ def plan_parts(plan: str, n: int, h: int, v: int) -> tuple[list[Part], float, st
         parts.insert(2, Part("candidates (top-C of each chunk)", 0, 4.0 * n * v, chunks))
         return parts, peak, chunking
     if plan == "kd_columns":
-        return column_chunked(n, h, v, heads=2)
+        return column_chunked(n, h, v, heads=2, fused=fused, plan="kd")
     heads = 2 if plan.startswith("kd") else 1
-    return token_chunked(n, h, v, heads, 1 + (plan == "kd_jsd"))
+    return token_chunked(n, h, v, heads, 1 + (plan == "kd_jsd"), plan, fused)
 
 
 def floor_ms(n: int, h: int, v: int, gpu: GPU) -> float:
@@ -225,11 +294,20 @@ def today_counts(row: Row):
         return None
 
 
+def _verdict(row: Row, ratio: float, mib: float) -> str:
+    ok = ratio <= row.target_ratio and (row.target_mib is None or mib <= row.target_mib)
+    return "met (predicted)" if ok else "NOT met (predicted)"
+
+
 def report(row: Row, gpu: GPU, show_parts: bool) -> str:
-    parts, peak, chunking = plan_parts(row.plan, row.tokens, row.hidden, row.vocab)
+    distill = row.plan.startswith("kd")  # its epilogue is torch ops today (not fused)
+    parts, peak, chunking = plan_parts(row.plan, row.tokens, row.hidden, row.vocab, not distill)
     device = sum(p.ms(gpu) for p in parts)
-    launches = sum(p.launches for p in parts) + 6  # the call's set-up and reduction
-    total = max(device, launches * gpu.launch_us / 1e3)
+    counts = today_counts(row)
+    modelled = sum(p.launches for p in parts) + 6  # + the call's set-up and reduction
+    launches = modelled if counts is None else counts.launches
+    host = launches * gpu.host_us / 1e3  # the host issues them while the device works
+    total = max(device, host)
     ref = row.reference_ms
     if ref is None and row.reference.startswith("untruncated"):
         base, _, _ = plan_parts("stats", row.tokens, row.hidden, row.vocab)
@@ -238,25 +316,31 @@ def report(row: Row, gpu: GPU, show_parts: bool) -> str:
         ref = floor_ms(row.tokens, row.hidden, row.vocab, gpu)
     ratio = total / ref
     mib = peak / (1 << 20)
-    ok = ratio <= row.target_ratio and (row.target_mib is None or mib <= row.target_mib)
-    counts = today_counts(row)
-    today = (
-        ""
-        if counts is None
-        else f"; today's code: {counts.launches} launches, {counts.syncs} syncs"
-    )
+    counted = "counted" if counts is not None else "modelled"
+    syncs = "" if counts is None else f", {counts.syncs} host syncs"
     lines = [
         f"{row.what}: {row.tokens} x {row.hidden} x {row.vocab}",
-        f"  measured (first GPU run): {row.baseline}{today}",
-        f"  plan (model): {total:.1f} ms = {ratio:.2f}x {row.reference} ({ref:.1f} ms), "
-        f"{mib:.0f} MiB, {launches} launches ({chunking}); target {row.target}: "
-        + ("met (predicted)" if ok else "NOT met (predicted)"),
+        f"  measured (first GPU run, the code of that time): {row.baseline}",
+        f"  today's code (model): {total:.1f} ms = {ratio:.2f}x {row.reference} "
+        f"({ref:.1f} ms; device {device:.1f} ms, host {host:.1f} ms), {mib:.0f} MiB extra, "
+        f"{launches} launches ({counted}){syncs}, {chunking}; target {row.target}: "
+        + _verdict(row, ratio, mib),
     ]
+    if distill:  # the plan's fused epilogue, one statistics pass and one G pass
+        fused, f_peak, _ = plan_parts(row.plan, row.tokens, row.hidden, row.vocab, True)
+        f_launches = sum(p.launches for p in fused) + 6
+        f_total = max(sum(p.ms(gpu) for p in fused), f_launches * gpu.host_us / 1e3)
+        f_mib = f_peak / (1 << 20)
+        lines.append(
+            f"  with a fused epilogue (not built): {f_total:.1f} ms = {f_total / ref:.2f}x, "
+            f"{f_mib:.0f} MiB extra, {f_launches} launches: "
+            + _verdict(row, f_total / ref, f_mib)
+        )
     if show_parts:
-        lines.append(f"  {'part':46s} {'GFLOP':>9s} {'GB':>7s} {'launches':>8s} {'ms':>7s}")
+        lines.append(f"  {'part':58s} {'GFLOP':>7s} {'GB':>7s} {'launches':>8s} {'ms':>7s}")
         for p in parts:
             lines.append(
-                f"  {p.name:46s} {p.flops / 1e9:9.0f} {p.bytes / 1e9:7.2f} {p.launches:8d} "
+                f"  {p.name:58s} {p.flops / 1e9:7.0f} {p.bytes / 1e9:7.2f} {p.launches:8d} "
                 f"{p.ms(gpu):7.2f}"
             )
     return "\n".join(lines)
@@ -267,17 +351,17 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", default="h200", choices=sorted(GPUS))
     p.add_argument("--tflops", type=float, help="dense bf16 peak (default: the GPU's)")
     p.add_argument("--tbps", type=float, help="HBM TB/s (default: the GPU's)")
-    p.add_argument("--launch-us", type=float, help="host microseconds per launch")
+    p.add_argument("--host-us", type=float, help="host microseconds per launch")
     p.add_argument("--row", choices=[r.key for r in ROWS], action="append")
     p.add_argument("--parts", action="store_true", help="each part's FLOPs, bytes, time")
     args = p.parse_args(argv)
     gpu = GPUS[args.gpu]
     gpu = GPU(
         gpu.name, args.tflops or gpu.tflops, args.tbps or gpu.tbps,
-        args.launch_us or gpu.launch_us, gpu.gemm_efficiency,
+        args.host_us or gpu.host_us, gpu.gemm_efficiency,
     )  # fmt: skip
     print(f"{gpu.name}: {gpu.tflops:g} TFLOP/s bf16 x {gpu.gemm_efficiency} (cuBLAS at these "
-          f"shapes), {gpu.tbps:g} TB/s, {gpu.launch_us:g} us a launch")  # fmt: skip
+          f"shapes), {gpu.tbps:g} TB/s, {gpu.host_us:g} us of host time a launch")  # fmt: skip
     for row in ROWS:
         if args.row and row.key not in args.row:
             continue

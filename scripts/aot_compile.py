@@ -47,7 +47,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from vocab_parallel.kernels import backward, common, forward  # noqa: E402
+from vocab_parallel.kernels import backward, common, divergence, forward  # noqa: E402
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Arguments a contiguous launch passes as 1 (Triton turns them into constexprs).
@@ -75,7 +75,8 @@ ALIGNED_HIDDEN = {"H", "stride_xm", "stride_wn"}
 
 
 def variants(capability: tuple[int, int]) -> list[tuple[object, torch.dtype, dict]]:
-    return forward.launch_variants(capability) + backward.launch_variants(capability)
+    modules = (forward, backward, divergence)
+    return [v for module in modules for v in module.launch_variants(capability)]
 
 
 def _flags(meta: dict) -> list[str]:

@@ -71,10 +71,19 @@ def cases(dry_run: bool) -> list[dict]:
         out.append(dict(bt=shapes[-1][0], h=shapes[-1][1], v=shapes[-1][2], dtype=dtype,
                         mode="grad_in_forward", bias=False, softcap=softcap,
                         label_smoothing=0.1, z_loss=1e-3, scaled=scaled))  # fmt: skip
+    # Distillation to a dense teacher: the fused epilogue's kernels.
+    for kind, dtype, scaled in itertools.product(("forward_kl", "reverse_kl", "jsd"), DTYPES,
+                                                 (False, True)):  # fmt: skip
+        out.append(dict(bt=shapes[-1][0], h=shapes[-1][1], v=shapes[-1][2], dtype=dtype,
+                        mode=f"distill {kind}", bias=False, softcap=None, label_smoothing=0.0,
+                        z_loss=0.0, scaled=scaled))  # fmt: skip
     # Half inputs with the kernels' own tile GEMM, as on a torch without half GEMMs of
     # fp32 output (the launchers' fallback; its variants), in every mode but the
     # operator's (given logits: no products to make).
-    half = [c for c in out if c["dtype"] != "float32" and not c["mode"].startswith("operator")]
+    half = [
+        c for c in out
+        if c["dtype"] != "float32" and not c["mode"].startswith(("operator", "distill"))
+    ]  # fmt: skip
     return out + [c | {"tile_gemm": True} for c in half]
 
 
@@ -114,6 +123,26 @@ def operator_grads(c: dict, x, w, y, up, backend: str) -> list:
     )  # fmt: skip
 
 
+def distill_grads(c: dict, x, w, y, up, backend: str) -> list:
+    """The distillation loss to a dense teacher (grad_in_forward: the fused epilogue on
+    the Triton backend) and the student's gradients, upstream ``up.mean()``."""
+    import torch
+
+    import vocab_parallel as vp
+
+    gen = torch.Generator().manual_seed(c["v"] + 1)
+    xt = torch.randn(c["bt"], c["h"] // 2, generator=gen).to(x.device, x.dtype)
+    wt = (torch.randn(c["v"], c["h"] // 2, generator=gen) * 2 / c["h"] ** 0.5).to(w.device, w.dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w)]
+    loss = vp.vocab_parallel_distillation_loss(
+        leaves[0], leaves[1], teacher_hidden=xt, teacher_weight=wt, target=y,
+        divergence=c["mode"].split()[1], temperature=_temperature(c, x) if c["scaled"] else 1.0,
+        mode="grad_in_forward", backend=backend,
+    )  # fmt: skip
+    loss.backward(up.mean())
+    return [loss.detach()] + [t.grad for t in leaves]
+
+
 def _temperature(c: dict, x):
     """The case's per-token temperature (ones unless ``scaled``)."""
     import torch
@@ -137,12 +166,22 @@ def _key(kernel_name: str, dtype, meta: dict, with_tile: bool) -> tuple:
 
 
 # The kernel modules' functions that make a launch's constexprs, by the name they record.
-RECORDED = {"forward_stats": "meta", "logits_grad": "meta", "logits_grad_rows": "rows_meta"}
+RECORDED = {
+    "forward_stats": "meta",
+    "logits_grad": "meta",
+    "logits_grad_rows": "rows_meta",
+    "divergence_stats": "stats_meta",
+    "divergence_second": "second_meta",
+    "divergence_grad": "grad_meta",
+}
 
 
 def _variant_name(module_name: str, kernel) -> str:
     """The recorded name of a listed variant's kernel."""
-    return "logits_grad_rows" if "rows" in getattr(kernel, "__name__", "") else module_name
+    name = getattr(kernel, "__name__", "").removesuffix("_kernel")
+    return name if name in RECORDED and module_name == "divergence" or "rows" in name else (
+        module_name
+    )
 
 
 def _recording(module, name: str, seen: list):
@@ -175,12 +214,14 @@ def run_cases(job: tuple[list[dict], str]) -> tuple[list[dict], list]:
     import torch
 
     import vocab_parallel as vp
-    from vocab_parallel.kernels import backward, forward
+    from vocab_parallel.kernels import backward, divergence, forward
 
     seen: list = []
     _recording(forward, "forward_stats", seen)
     _recording(backward, "logits_grad", seen)
     _recording(backward, "logits_grad_rows", seen)
+    for name in ("divergence_stats", "divergence_second", "divergence_grad"):
+        _recording(divergence, name, seen)
     from vocab_parallel.backends import triton_backend
 
     gemm_with_fp32_output = triton_backend._gemm_with_fp32_output
@@ -200,6 +241,8 @@ def run_cases(job: tuple[list[dict], str]) -> tuple[list[dict], list]:
         out = {}
         if c["mode"].startswith("operator"):
             out = {be: operator_grads(c, x, w, y, up, be) for be in ("triton", "torch")}
+        elif c["mode"].startswith("distill"):
+            out = {be: distill_grads(c, x, w, y, up, be) for be in ("triton", "torch")}
         elif c["mode"].startswith("token_stats"):
             out = {be: token_stats_outputs(c, x, w, b, y, up, be) for be in ("triton", "torch")}
         for backend in () if out else ("triton", "torch"):
@@ -247,11 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_variants: no CUDA device (--dry-run runs on CPU)", file=sys.stderr)
         return 2
     device = "cpu" if args.dry_run else "cuda"
-    from vocab_parallel.kernels import backward, forward
+    from vocab_parallel.kernels import backward, divergence, forward
 
     capability = None if args.dry_run else torch.cuda.get_device_capability()
     listed = set()
-    for name, module in (("forward_stats", forward), ("logits_grad", backward)):
+    modules = (("forward_stats", forward), ("logits_grad", backward), ("divergence", divergence))
+    for name, module in modules:
         for kernel, dtype, meta in module.launch_variants(capability or (9, 0)):
             meta = {k: v for k, v in meta.items() if k not in LAUNCH_ONLY}
             if args.dry_run:  # the interpreter has one tile and its own DOT_FP32/ROUND_BF16

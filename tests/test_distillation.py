@@ -320,6 +320,89 @@ def test_triton_odd_shapes(case):
     assert check(case) == []
 
 
+# The Triton backend's fused epilogue (``kernels/src/divergence.py``): whole kept blocks
+# of both heads, one launch each for the statistics, the JSD's second sums and G, where
+# there is no hard-label term and no softcap (grad-in-forward's token chunks: 5 rows, 8
+# chunks, or high-performance mode's blocks of every token); the three dtypes, every
+# temperature, biases on either head, a mean, a sum and no hard labels at all.
+EPILOGUE = [
+    DCase(**ODD, mode="grad_in_forward", temperature="tensor", teacher_bias=True, seed=80),
+    DCase(**ODD, mode="grad_in_forward", divergence="reverse_kl", temperature="float",
+          bias=True, seed=81),
+    DCase(**ODD, mode="grad_in_forward", divergence="jsd", beta=0.3, temperature="one",
+          reduction="sum", seed=82),
+    DCase(**ODD, mode="high_performance", divergence="jsd", beta=0.8, temperature="tensor",
+          teacher_bias=True, target=False, seed=83),
+    DCase(**ODD, mode="grad_in_forward", dtype=BF16, divergence="jsd", temperature="tensor",
+          bias=True, seed=84),
+    DCase(**ODD, mode="high_performance", dtype=BF16, temperature="float", seed=85),
+    DCase(**ODD, mode="grad_in_forward", dtype=torch.float16, divergence="reverse_kl",
+          temperature="tensor", teacher_bias=True, seed=86),
+]  # fmt: skip
+
+
+@pytest.fixture
+def fused_launches(monkeypatch):
+    """Count the fused epilogue's launchers' calls (each still runs)."""
+    from vocab_parallel.backends import triton_epilogues
+
+    counts = {}
+    for name in ("divergence_stats", "divergence_second", "divergence_grad"):
+        original = getattr(triton_epilogues, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(triton_epilogues, name, counted)
+    return counts
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("case", EPILOGUE, ids=str)
+def test_triton_fused_epilogue(case, fused_launches, monkeypatch):
+    from vocab_parallel.engine import memory_policy as memory
+
+    rows = 5 if case.mode == "grad_in_forward" else case.tokens
+    for device_type in {"cpu", device_for("triton").type}:
+        monkeypatch.setitem(memory.WORKSPACE_BYTES, device_type, rows * 8 * case.vocab)
+    assert check(case) == []
+    chunks = -(-case.tokens // rows)
+    assert fused_launches["divergence_stats"] == chunks
+    assert fused_launches["divergence_grad"] == chunks
+    assert fused_launches.get("divergence_second", 0) == (chunks if case.divergence == "jsd" else 0)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_fused_epilogue_with_masked_columns_equals_the_torch_epilogue(divergence, fused_launches):
+    """-inf logits (a masking bias on both heads, a column only one head masks) add
+    nothing and give no NaN: the kernels agree with the torch epilogue."""
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(13, 16, generator=g), torch.randn(389, 16, generator=g) * 0.5
+    xt, wt = torch.randn(13, 24, generator=g), torch.randn(389, 24, generator=g) * 0.5
+    b, bt = torch.zeros(389), torch.zeros(389)
+    b[::7] = bt[::7] = float("-inf")
+    # One head alone masks: the one whose zeros keep the divergence finite (the forward
+    # KL(t || s) the teacher, the reverse KL(s || t) the student; the JSD either).
+    (b if divergence == "reverse_kl" else bt)[3::11] = float("-inf")
+    out = {}
+    for backend in ("torch", "triton"):
+        dev = device_for(backend)
+        leaves = [t.to(dev).requires_grad_(True) for t in (x, w)]
+        loss = vp.vocab_parallel_distillation_loss(
+            leaves[0], leaves[1], bias=b.to(dev), teacher_hidden=xt.to(dev),
+            teacher_weight=wt.to(dev), teacher_bias=bt.to(dev), divergence=divergence,
+            temperature=1.3, mode="grad_in_forward", backend=backend,
+        )  # fmt: skip
+        loss.backward()
+        out[backend] = [t.detach().cpu() for t in (loss, leaves[0].grad, leaves[1].grad)]
+    assert fused_launches["divergence_grad"] == 1
+    for a, r in zip(out["triton"], out["torch"], strict=True):
+        assert bool(a.isfinite().all())
+        assert (a - r).abs().max() <= 2e-5 * r.abs().max()
+
+
 def _problem_args(case: DCase) -> dict:
     x, w, xt, wt, y, b, bt, temp, *_ = _problem(case)
     return dict(

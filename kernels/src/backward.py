@@ -418,6 +418,8 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
             if entropy and source == "softmax":
                 continue
             for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                if source == "recompute" and dtype == torch.float32:
+                    continue  # fp32 products are always a GEMM's (the row kernel's RAW)
                 heavy = has_bias or softcap or scaled
                 for tile in tile_configs(kernel_name(source), dtype, capability, heavy):
                     tile = entropy_tile(tile, entropy, softcap)

@@ -205,13 +205,16 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
     variants = []
     # store, logit sum, bias, cap, scaled, extra stats (never with the logit sum: the token
     # statistics have no label smoothing), and from the products of a GEMM (a kept block,
-    # stored, or a column chunk, not). The kernel's own tile GEMM only for half inputs,
+    # stored where the bias, cap or temperature changed it, or a column chunk, not). The
+    # kernel's own tile GEMM only for half inputs,
     # where torch has no half GEMM with fp32 output (an older torch): fp32 products are
     # always a GEMM's.
     flags = itertools.product((False, True), repeat=7)
     for store, logit_sum, has_bias, softcap, scaled, extra, from_logits in flags:
         if logit_sum and extra:
             continue
+        if from_logits and store and not (has_bias or softcap or scaled):
+            continue  # the products unchanged: not written back
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             if not from_logits and dtype == torch.float32:
                 continue

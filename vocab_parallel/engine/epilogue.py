@@ -149,6 +149,21 @@ class Epilogue:
         """Per-token sums ``[Q, N]`` of a second walk that needs ``terms`` (None: none)."""
         return None
 
+    # An objective with a fused epilogue of its own (its kernels over whole kept blocks)
+    # overrides these three; by default they walk the chunks with the methods above.
+
+    def local_of(self, chunks: HeadChunks) -> Local:
+        """This rank's statistics of ``chunks``: :meth:`local` over its walk."""
+        return self.local(chunks.walk())
+
+    def second_of(self, chunks: HeadChunks, terms) -> torch.Tensor | None:
+        """The second walk's sums: :meth:`second` over ``chunks``' walk."""
+        return self.second(chunks.walk(), terms)
+
+    def gradient_width(self, chunks: HeadChunks) -> int:
+        """The columns of each ``G`` the engine asks :meth:`gradient` for: the walker's."""
+        return chunks.width
+
     def after_second(self, terms, sums: torch.Tensor):
         """The terms once the second walk's sums are reduced."""
         return terms
@@ -174,14 +189,14 @@ class Epilogue:
 def statistics(ep: Epilogue, chunks: HeadChunks, group):
     """The epilogue's terms: its first walk, the MAX and the SUM all-reduce of its
     statistics, and its second walk with one more SUM where it has one."""
-    local = ep.local(chunks.walk())
+    local = ep.local_of(chunks)
     maxima = all_reduce(torch.stack([o.m for o in local.online]), "MAX", group, "logits maxima")
     rows = [r[None] for o, m in zip(local.online, maxima, strict=True) for r in o.rescaled(m)]
     rows += [r[None] for r in local.rows]
     if local.wide is not None:
         rows.append(local.wide.t())
     terms = ep.terms(maxima, all_reduce(torch.cat(rows), "SUM", group, ep.sums_name))
-    more = ep.second(chunks.walk(), terms)
+    more = ep.second_of(chunks, terms)
     if more is not None:
         terms = ep.after_second(terms, all_reduce(more, "SUM", group, ep.sums_name))
     return ep.refine(chunks, terms)

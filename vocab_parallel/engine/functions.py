@@ -52,7 +52,7 @@ def _products(ep: Epilogue, terms, chunks: HeadChunks, hidden, weight, bias, gra
     bias_dtype = hidden.dtype if bias is None else bias.dtype
     with precision.cpu_bf16_math(hidden.dtype, hidden.device.type):
         return gradient_products(
-            hidden, weight, chunks.width, make_g, out,
+            hidden, weight, ep.gradient_width(chunks), make_g, out,
             g_reads_operands=False, bias_grad_dtype=bias_dtype,
         )  # fmt: skip
 

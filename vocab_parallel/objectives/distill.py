@@ -74,6 +74,50 @@ class Divergence(Epilogue):
         self.accum = accum
         self.heads, self.tmp = 1 if spec.sparse else 2, Scratch()
 
+    fused = False  # set by local_of: this epilogue's kernels over whole kept blocks
+
+    def _fusable(self, chunks) -> bool:
+        """Whether the Triton backend's fused epilogue runs (``docs/design.md``,
+        "Distillation"): kept fp32 blocks of both heads (grad_in_forward's token chunk,
+        high-performance mode), a dense teacher, no hard-label term, no softcap."""
+        spec = self.spec
+        return (
+            chunks.backend.name == "triton"
+            and chunks.kept is not None
+            and not spec.sparse
+            and not spec.ce
+            and chunks.logits.softcap is None
+            and self.accum == torch.float32
+            and chunks.rows > 0
+            and chunks.v > 0
+        )
+
+    def local_of(self, chunks) -> Local:
+        self.fused = self._fusable(chunks)
+        if not self.fused:
+            return super().local_of(chunks)
+        self.dtype = chunks.heads[0][0].dtype  # G's: the student's inputs
+        from vocab_parallel.backends.triton_epilogues import divergence_stats
+
+        s, t = chunks.chunk(0, chunks.v)  # each head's logits by one GEMM, kept
+        chunks.filled = True
+        div = self.spec.divergence
+        m_s, s_s, a_s, m_t, s_t, a_t = divergence_stats(div, s, t, self.inv_t)
+        stu = Online.of(m_s, s_s, *([a_s] if div == "reverse_kl" else []))
+        tea = Online.of(m_t, s_t, *([a_t] if div == "forward_kl" else []))
+        return Local([stu, tea], [], None)
+
+    def second_of(self, chunks, terms):
+        if not (self.fused and self.spec.divergence == "jsd"):
+            return super().second_of(chunks, terms)
+        from vocab_parallel.backends.triton_epilogues import divergence_second
+
+        s, t = chunks.chunk(0, chunks.v)
+        return divergence_second(s, t, self.inv_t, terms.ls, terms.lt, self.spec.beta)
+
+    def gradient_width(self, chunks) -> int:
+        return chunks.v if self.fused else chunks.width
+
     def operands(self, x, weight, bias):
         t = self.teacher
         return [(x, weight, bias)] + ([] if self.spec.sparse else [(t.hidden, t.weight, t.bias)])
@@ -172,6 +216,15 @@ class Divergence(Epilogue):
         forward KL ``p_s - p_t``; reverse KL ``p_s (u - v + coef)``; JSD ``(1 - beta) p_s
         (log p_s - log m - coef)``; top-k ``p_s - q`` at the ids, ``p_s - e^(log p_s +
         coef)`` off them; ``p1 = softmax(z)`` (``p_s`` without a temperature)."""
+        if self.fused:  # the whole block: one kernel (no hard-label term, no cap)
+            from vocab_parallel.backends.triton_epilogues import divergence_grad
+
+            c = grad if self.inv_t is None else grad * self.inv_t
+            beta = self.spec.beta if self.spec.divergence == "jsd" else 0.5
+            return divergence_grad(
+                self.spec.divergence, logits[0], logits[1], self.inv_t, terms.ls, terms.lt,
+                terms.coef, c, beta, self.dtype,
+            )  # fmt: skip
         spec, z = self.spec, logits[0]
         a, u = spec.hard_label_weight, self._tempered(z)
         c_d = (grad * (1.0 - a) if self.inv_t is None else grad * (1.0 - a) * self.inv_t)[:, None]

@@ -138,10 +138,10 @@ def _gemm(name, m, n, k, chunks, out_bytes, extra_bytes=0.0):
     return Part(name, flops, bytes_, chunks, gemm=True)
 
 
-# The distillation epilogue of today's code: torch ops per column chunk of the kept
-# blocks, each reading and writing about one fp32 block (benchmarks/launches.py counts
-# them: 2494 and 3899 launches per call at the headline, less the GEMMs and the
-# per-token work).
+# The distillation epilogue in torch ops (memory-saving mode: no kept blocks for the
+# fused kernels), per column chunk, each reading and writing about one fp32 block
+# (benchmarks/launches.py counted 2494 and 3899 launches per grad-in-forward call at the
+# headline before the fused epilogue, less the GEMMs and the per-token work).
 TORCH_EPILOGUE_OPS = {"kd": 37, "kd_jsd": 58}
 
 
@@ -170,6 +170,9 @@ def token_chunked(n: int, h: int, v: int, heads: int, passes: int, plan: str, fu
             Part("epilogue: G over the logits (one pass)", 0, chunks * (heads * logits + 2 * r * v),
                  chunks),
         ]  # fmt: skip
+        if heads == 2 and keeps_g(n, v, h):  # the engine copies the epilogue's G in
+            parts.append(Part("G copied into the kept G (one pass)", 0, chunks * 4.0 * r * v,
+                              chunks))  # fmt: skip
     else:
         width = column_width(rows, v, h, "epilogue")
         col_chunks = chunks * -(-v // width)
@@ -300,8 +303,8 @@ def _verdict(row: Row, ratio: float, mib: float) -> str:
 
 
 def report(row: Row, gpu: GPU, show_parts: bool) -> str:
-    distill = row.plan.startswith("kd")  # its epilogue is torch ops today (not fused)
-    parts, peak, chunking = plan_parts(row.plan, row.tokens, row.hidden, row.vocab, not distill)
+    unfused = row.plan == "kd_columns"  # memory-saving distillation: torch ops today
+    parts, peak, chunking = plan_parts(row.plan, row.tokens, row.hidden, row.vocab, not unfused)
     device = sum(p.ms(gpu) for p in parts)
     counts = today_counts(row)
     modelled = sum(p.launches for p in parts) + 6  # + the call's set-up and reduction
@@ -326,7 +329,7 @@ def report(row: Row, gpu: GPU, show_parts: bool) -> str:
         f"{launches} launches ({counted}){syncs}, {chunking}; target {row.target}: "
         + _verdict(row, ratio, mib),
     ]
-    if distill:  # the plan's fused epilogue, one statistics pass and one G pass
+    if unfused:  # the plan's fused epilogue, one statistics pass and one G pass
         fused, f_peak, _ = plan_parts(row.plan, row.tokens, row.hidden, row.vocab, True)
         f_launches = sum(p.launches for p in fused) + 6
         f_total = max(sum(p.ms(gpu) for p in fused), f_launches * gpu.host_us / 1e3)

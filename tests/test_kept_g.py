@@ -66,6 +66,11 @@ def test_the_policy_keeps_g_on_gpus_where_it_is_no_larger():
     assert not memory.keeps_g(8192, 128256, 1, 4096, 4, "cuda")  # fp32 inputs
 
 
+def test_a_larger_workspace_buys_a_kept_g_larger_than_the_accumulators(monkeypatch):
+    monkeypatch.setitem(memory.WORKSPACE_BYTES, "cuda", 4 << 30)
+    assert memory.keeps_g(8192, 256000, 1, 2304, 2, "cuda")  # G: 3.9 GiB
+
+
 def _ce_cases(backend):
     return [
         Case(mode="grad_in_forward", backend=backend, dtype=dtype, reduction=reduction, **opts)

@@ -102,14 +102,17 @@ def keeps_g(
     for the backward's two GEMMs instead of adding each token chunk's products into fp32
     accumulators in the forward: on GPUs (every device type but the CPU), with half
     inputs, where ``G`` takes no more bytes than the fp32 ``[V_local, H]`` and
-    ``[tokens, H]`` accumulators it replaces. Each later chunk's accumulating GEMM reads
+    ``[tokens, H]`` accumulators it replaces, or than the workspace (a larger
+    ``WORKSPACE_BYTES[device type]`` buys it where ``G`` is larger: the Gemma-like head's
+    4000 MiB against 2322 MiB of accumulators). Each later chunk's accumulating GEMM reads
     and writes the whole fp32 ``grad_weight`` (2 GiB at the Llama-3 head: 0.8 ms a chunk
     on an H200, the first GPU run measured); the GEMMs of the whole ``G`` run once, at the
     floor. Sized from what every rank shares (an even share of the vocabulary)."""
     if device_type == "cpu" or itemsize >= 4:
         return False
     share = max(1, -(-global_size // max(1, world)))
-    return itemsize * tokens * share <= 4 * (share + tokens) * hidden
+    room = max(4 * (share + tokens) * hidden, workspace_bytes(device_type))
+    return itemsize * tokens * share <= room
 
 
 def returned_bytes(tokens: int, share: int, hidden: int, itemsize: int) -> int:

@@ -182,3 +182,60 @@ def test_every_rank_matches_reference(world):
     """Uneven shards: grad_input's one all-reduce in the backward, every rank checked."""
     bad = [r for rank in run_ranks(_ranks, world) for r in rank if not r["ok"]]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("which", ["both", "weight", "input"])
+def test_filtering_leaves_out_the_columns_negligible_for_every_token(which, monkeypatch):
+    """A kept G's filter: a column is left out of the products that ``filter_grads``
+    names where every token's entry is below ``eps`` times its upstream gradient (a tile
+    is the column of every token, whatever the device); the products are those of ``G``
+    with exactly those columns zeroed (float64), the loss and grad_bias untouched; with
+    nothing negligible the products are the unfiltered ones, bit for bit."""
+    _force(monkeypatch)
+    monkeypatch.setattr(grad_in_forward.filtering, "tile_rows", lambda device_type, rows: rows)
+    seen = {}
+    original = grad_in_forward.KeptG.hand_out
+
+    def spy(self, grad_loss, dtypes, need, g):
+        seen["g"] = g.clone()
+        return original(self, grad_loss, dtypes, need, g)
+
+    monkeypatch.setattr(grad_in_forward.KeptG, "hand_out", spy)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(37, 16, generator=gen)
+    w = torch.randn(V, 16, generator=gen) * 3  # peaked: many columns negligible everywhere
+    b = torch.randn(V, generator=gen)
+    y = torch.randint(0, V, (37,), generator=gen)
+    y[::5] = -100
+
+    def run(filter_eps):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        loss = vp.vocab_parallel_linear_cross_entropy(
+            leaves[0], leaves[1], y, bias=leaves[2], mode="grad_in_forward",
+            filter_eps=filter_eps, filter_grads=which,
+        )  # fmt: skip
+        (loss * 0.8).backward()
+        return [loss.detach()] + [t.grad for t in leaves]
+
+    exact = run(None)
+    eps = 1e-3
+    vp.gradient_filter_stats(reset=True)
+    filtered = run(eps)
+    stats = vp.gradient_filter_stats(reset=True)
+    g = seen["g"].double()
+    token_grad = (y != -100).double() / (y != -100).sum()
+    live = token_grad[:, None] > 0  # an ignored token's G is 0: it keeps nothing
+    kept = ((g.abs() >= eps * token_grad[:, None]) & live).any(dim=0)
+    assert 0 < int((~kept).sum()) < V // 2 + V // 4  # some left out, not so many as dense
+    assert stats.tiles == V and stats.skipped == int((~kept).sum()) * (2 if which == "both" else 1)
+    gm = g * kept
+    g_in = gm if which in ("both", "input") else g
+    g_w = gm if which in ("both", "weight") else g
+    torch.testing.assert_close(filtered[0], exact[0], rtol=0, atol=0)
+    torch.testing.assert_close(filtered[1].double(), 0.8 * g_in @ w.double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(filtered[2].double(), 0.8 * g_w.t() @ x.double(), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(filtered[3], exact[3], rtol=0, atol=0)
+    nothing = run(1e-30)  # every column kept: the unfiltered products
+    for a, e in zip(nothing, exact, strict=True):
+        assert torch.equal(a, e)

@@ -52,11 +52,19 @@ from vocab_parallel.engine import precision
 # column wide: the products gather a row block's kept columns, so any set of columns
 # can be left out, wherever the vocabulary order puts them (docs/design.md, "Gradient
 # filtering": no column sorting needed).
-TILE_ROWS = 128
+TILE_ROWS = 128  # on CPUs; on GPUs a tile is a column of the whole chunk (tile_rows)
 TILE_COLS = 1
 # A row block keeping at least this share of its columns runs whole (measured: the
 # gathers cost more than the columns they leave out; benchmarks/bench_filter.py).
 DENSE_ABOVE = 0.75
+
+
+def tile_rows(device_type: str, rows: int) -> int:
+    """Rows of a tile: ``TILE_ROWS`` on CPUs; on GPUs every row of the chunk (a column is
+    left out of the whole chunk's products, by one gather and two GEMMs: a loop over
+    128-row blocks, thousands of small GEMMs and gathers per call, made filtering 3.6x
+    slower than exact on the first GPU run)."""
+    return TILE_ROWS if device_type == "cpu" else max(1, rows)
 
 
 def resolve_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float | None:
@@ -133,9 +141,9 @@ def gradient_filter_stats(reset: bool = False) -> GradientFilterStats:
 
 
 def tile_mask(g: torch.Tensor, f: GradientFilter) -> torch.Tensor:
-    """``[ceil(BT / TILE_ROWS), n]`` bool: which tiles of the chunk ``g [BT, n]`` are kept
+    """``[ceil(BT / rows), n]`` bool: which tiles of the chunk ``g [BT, n]`` are kept
     (some entry at or above ``eps |grad_i|``); a tile is one column of one block of
-    ``TILE_ROWS`` rows. A row block keeping at least ``DENSE_ABOVE`` of its columns keeps
+    ``rows`` rows (:func:`tile_rows`: 128 on CPUs, the chunk's on GPUs). A row block keeping at least ``DENSE_ABOVE`` of its columns keeps
     them all (its products run whole: gathering would cost more than it leaves out).
 
     One pass over ``g``, a block of rows at a time: where every row with a gradient has
@@ -143,7 +151,8 @@ def tile_mask(g: torch.Tensor, f: GradientFilter) -> torch.Tensor:
     scaled by ``1 / (eps |g|)``; else ``|G_ij|`` scaled by its row's ``1 / (eps |g_i|)``
     into a ``[TILE_ROWS, n]`` buffer, then its maximum per column."""
     bt, n = g.shape
-    n_rb = -(-bt // TILE_ROWS)
+    tr = tile_rows(g.device.type, bt)
+    n_rb = -(-bt // tr)
     if f.eps <= 0:  # |G_ij| < 0 never holds: every tile is kept
         return torch.ones((n_rb, n), dtype=torch.bool, device=g.device)
     scale = f.grad.to(torch.float32).abs()
@@ -154,16 +163,19 @@ def tile_mask(g: torch.Tensor, f: GradientFilter) -> torch.Tensor:
     uniform = _uniform(inv)
     if uniform is not None:  # one gradient for every row: scale the maxima, not the entries
         for b in range(n_rb):  # max |G| as max(max G, -min G): two reads, no temporary
-            blk = g[b * TILE_ROWS : (b + 1) * TILE_ROWS]
+            blk = g[b * tr : (b + 1) * tr]
             col_max[b] = torch.maximum(blk.amax(dim=0), blk.amin(dim=0).neg())
         col_max.mul_(uniform.to(cdt))
-    else:
+    else:  # |G_ij| / (eps |g_i|) a buffer of at most TILE_ROWS rows at a time
         inv = inv.to(cdt)
-        buf = torch.empty((min(bt, TILE_ROWS), n), dtype=cdt, device=g.device)
+        step = min(bt, TILE_ROWS)
+        buf = torch.empty((step, n), dtype=cdt, device=g.device)
         for b in range(n_rb):
-            r0, r1 = b * TILE_ROWS, min(bt, (b + 1) * TILE_ROWS)
-            scaled = torch.mul(g[r0:r1], inv[r0:r1, None], out=buf[: r1 - r0])
-            torch.amax(scaled.abs_(), dim=0, out=col_max[b])
+            for r0 in range(b * tr, min(bt, (b + 1) * tr), step):
+                r1 = min(bt, (b + 1) * tr, r0 + step)
+                scaled = torch.mul(g[r0:r1], inv[r0:r1, None], out=buf[: r1 - r0]).abs_()
+                part = scaled.amax(dim=0)
+                col_max[b] = part if r0 == b * tr else torch.maximum(col_max[b], part)
     # Kept unless below 1: a NaN or infinite G keeps its tile (nothing hides it).
     kept = ~(col_max < 1.0)
     dense = kept.sum(dim=1) >= DENSE_ABOVE * n
@@ -229,8 +241,9 @@ def filtered_products(g, mask, *, grad_input=None, w_op=None, first=False,
     # Every row block's kept columns at once (one device sync, not one per block).
     counts = mask.sum(dim=1).tolist()
     kept_cols = mask.nonzero()[:, 1].split(counts)
+    tr = tile_rows(g.device.type, bt)
     for b, (k, idx) in enumerate(zip(counts, kept_cols, strict=True)):
-        r0, r1 = b * TILE_ROWS, min(bt, (b + 1) * TILE_ROWS)
+        r0, r1 = b * tr, min(bt, (b + 1) * tr)
         if k == 0:
             if grad_input is not None and first:
                 grad_input[r0:r1].zero_()

@@ -37,8 +37,10 @@ from collections.abc import Callable
 import torch
 
 from vocab_parallel.backends.interface import Outputs
+from vocab_parallel.engine import filtering
 from vocab_parallel.engine import memory_policy as memory
 from vocab_parallel.engine import precision
+from vocab_parallel.engine.filtering import GradientFilter
 from vocab_parallel.engine.autograd import (
     guarded_backward,
 )
@@ -67,13 +69,14 @@ def walk_token_chunks(
     needs: tuple[bool, bool, bool],
     step: ChunkStep,
     heads: int = 1,
-    may_keep_g: bool = True,
+    g_filter: GradientFilter | None = None,
 ) -> Accumulated | KeptG:
     """The token-chunk walker of ``mode="grad_in_forward"``, written once for every
     objective: the gradients of ``hidden``, ``weight`` and the bias (``needs``: which are
     wanted), as :class:`Accumulated` fp32 (float64) sums or as a :class:`KeptG` (the
-    memory policy's choice, the module docstring; ``may_keep_g=False``: the caller's
-    products cannot wait, e.g. a gradient filter).
+    memory policy's choice, the module docstring; ``g_filter``: the call's gradient
+    filter over every token, for a kept G's products; the accumulated plan's chunks
+    filter their own).
 
     Token chunks are as tall as the memory policy allows for ``heads`` kept fp32 blocks
     (``vocab_parallel.engine.memory_policy.token_rows``: the same on every rank). Per
@@ -92,12 +95,12 @@ def walk_token_chunks(
     vg, device_type, itemsize = call.layout.global_size, hidden.device.type, hidden.element_size()
     rows = memory.token_rows(bt, vg, world, device_type, heads, h, itemsize)
     blocks = [torch.empty((min(rows, bt), v), **f) for _ in range(heads)]
-    if may_keep_g and any(needs) and memory.keeps_g(bt, vg, world, h, itemsize, device_type):
+    if any(needs) and memory.keeps_g(bt, vg, world, h, itemsize, device_type):
         g = torch.empty((bt, v), dtype=hidden.dtype, device=hidden.device)
         for r0 in range(0, bt, rows):
             r1 = min(bt, r0 + rows)
             step(r0, r1, [b[: r1 - r0] for b in blocks], dict(g_out=g[r0:r1]))
-        return KeptG(g, hidden, weight, needs, group)
+        return KeptG(g, hidden, weight, needs, group, g_filter)
     grad_input = torch.empty((bt, h), **f) if needs[0] else None
     fill = torch.zeros if bt == 0 else torch.empty  # zeros when there are no tokens
     grad_weight = fill(weight.shape, **f) if needs[1] else None
@@ -167,9 +170,9 @@ class KeptG:
     = G.sum(0)`` likewise. The Function saves ``G`` for its backward (:func:`save`), so
     that autograd frees it after a backward that does not retain the graph."""
 
-    def __init__(self, g, hidden, weight, needs, group):
+    def __init__(self, g, hidden, weight, needs, group, g_filter=None):
         self.g, self.hidden, self.weight, self.needs = g, hidden, weight, needs
-        self.group = group
+        self.group, self.filter = group, g_filter
         self.denominator = None  # what every gradient is divided by (a mean's count)
 
     def divide_(self, denominator: torch.Tensor) -> None:
@@ -187,27 +190,64 @@ class KeptG:
             scale = scale / self.denominator.to(accum)
         want = [a and b for a, b in zip(self.needs, need, strict=True)]
         operand = precision.operand_dtype(dtype, x.device.type)
+        bt, h = x.shape
+        v = w.shape[0]
+        cv = memory.columns(1, v, x.device.type, "logits", h=h)  # fp32 [cv, H] rows
+        kept = self._kept(g, want)  # per vocabulary chunk: its kept columns (None: all)
         grad_input = wait = None
-        if want[0]:  # one GEMM; its all-reduce overlaps grad_weight's GEMMs
+        if want[0] and (kept is None or not self.filter.input):
+            # one GEMM; its all-reduce overlaps grad_weight's GEMMs
             grad_input = precision.mm_fp32(g.to(operand), w.to(operand))
+        elif want[0]:  # the kept columns of each vocabulary chunk
+            grad_input = torch.zeros((bt, h), dtype=accum, device=x.device)
+            for v0, idx in zip(range(0, v, cv), kept, strict=True):
+                cols = idx + v0
+                g_c, w_c = g.index_select(1, cols).to(operand), w.index_select(0, cols).to(operand)
+                precision.addmm_fp32_(grad_input, g_c, w_c)
+        if want[0]:
             wait = all_reduce_async(grad_input, "SUM", self.group, "grad_input")
         grad_weight = grad_bias = None
         if want[1]:
             grad_weight = torch.empty_like(w, dtype=dtype)
-            bt, h = x.shape
-            v = w.shape[0]
-            cv = memory.columns(1, v, x.device.type, "logits", h=h)  # fp32 [cv, H] rows
             scratch = torch.empty((min(cv, v), h), dtype=accum, device=x.device)
             x_op = x.to(operand)
-            for v0 in range(0, v, cv):
+            for i, v0 in enumerate(range(0, v, cv)):
                 v1 = min(v, v0 + cv)
-                rows = precision.mm_fp32(g[:, v0:v1].t().to(operand), x_op, out=scratch[: v1 - v0])
-                torch.mul(rows, scale, out=grad_weight[v0:v1])
+                if kept is None or not self.filter.weight:
+                    rows = precision.mm_fp32(g[:, v0:v1].t(), x_op, out=scratch[: v1 - v0])
+                    torch.mul(rows, scale, out=grad_weight[v0:v1])
+                else:  # the kept columns' rows; the others 0
+                    g_c = g.index_select(1, kept[i] + v0).to(operand)
+                    rows = precision.mm_fp32(g_c.t(), x_op, out=scratch[: g_c.shape[1]])
+                    out = grad_weight[v0:v1].zero_()
+                    out.index_copy_(0, kept[i], _times(rows, scale, dtype))
         if want[2]:
             grad_bias = _times(g.sum(dim=0, dtype=accum), scale, dtypes[1])
         if wait is not None:
             grad_input = _times(wait(), scale, dtype)
         return grad_input, grad_weight, grad_bias
+
+    def _kept(self, g: torch.Tensor, want) -> list[torch.Tensor] | None:
+        """The columns a filtered product keeps, per vocabulary chunk (indices within
+        it), or None when the call filters nothing or nothing can be left out: a column
+        is left out of every token's products where each token's entry is negligible
+        (``vocab_parallel.engine.filtering``; on GPUs a tile is the column over all the
+        tokens). Two host syncs: whether anything is left out, and the chunks' counts."""
+        f = self.filter
+        if f is None or not ((want[0] and f.input) or (want[1] and f.weight)):
+            return None
+        mask = filtering.tile_mask(g, f)
+        filtering.count(mask, f)
+        cols = mask.any(dim=0)
+        if bool(cols.all()):
+            return None
+        v = g.shape[1]
+        cv = memory.columns(1, v, g.device.type, "logits", h=self.hidden.shape[1])
+        idx = cols.nonzero()[:, 0]
+        starts = torch.arange(0, v + cv, cv, device=idx.device)[: -(-v // cv) + 1]
+        counts = torch.searchsorted(idx, starts).diff().tolist()
+        starts = range(0, v, cv)
+        return [p - v0 for p, v0 in zip(idx.split(counts), starts, strict=True)]
 
 
 def _times(g: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

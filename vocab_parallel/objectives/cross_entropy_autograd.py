@@ -50,7 +50,7 @@ from vocab_parallel.backends.interface import Grads, Outputs
 from vocab_parallel.backends.registry import get_backend
 from vocab_parallel.engine import precision
 from vocab_parallel.engine.autograd import guarded_backward, no_autocast, sum_grad_input
-from vocab_parallel.engine.filtering import GradientFilter, resolve_eps
+from vocab_parallel.engine.filtering import GradientFilter
 from vocab_parallel.engine.grad_in_forward import hand_out, save, walk_token_chunks
 from vocab_parallel.engine.objective import Call
 from vocab_parallel.engine.reduction import mean_denominator
@@ -223,8 +223,9 @@ class GradInForwardLinearCE(torch.autograd.Function):
                     c_call, grad, x_c, weight, bias, t_c, token, needs, source=source, **buffers
                 )
 
-        filtered = resolve_eps(call.opts.filter_eps, hidden.dtype) is not None
-        grads = walk_token_chunks(hidden, weight, call, needs, step, may_keep_g=not filtered)
+        opts = call.opts  # a kept G's products filter over every token (the rows' grads)
+        flt = GradientFilter.of(opts.filter_eps, opts.filter_grads, hidden.dtype, token_grad)
+        grads = walk_token_chunks(hidden, weight, call, needs, step, g_filter=flt)
         per_token = {
             k: torch.cat(p) if p else torch.empty(bt, dtype=accum, device=hidden.device)
             for k, p in parts.items()

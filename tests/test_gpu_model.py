@@ -26,10 +26,14 @@ def test_each_gemm_covers_the_head_once_and_memory_is_bounded(row, fused):
     """The modelled GEMMs are those of the code's structure: each over the whole head
     once (no chunk counted twice or left out), whatever the chunking; the extra memory
     is positive and below 4 GiB."""
-    parts, extra, chunking = model.plan_parts(row.plan, row.tokens, row.hidden, row.vocab, fused)
+    shape = (row.tokens, row.hidden, row.vocab)
+    parts, extra, chunking = model.plan_parts(row.plan, *shape, fused, row.kept)
     one = 2.0 * row.tokens * row.hidden * row.vocab  # one GEMM over the whole head
     gemms = [p for p in parts if p.gemm]
-    assert sum(p.flops for p in gemms) == pytest.approx(one * len(gemms), rel=1e-9)
+    # Filtering: the backward's two GEMMs over the kept columns (all, above DENSE_ABOVE)
+    f = 1.0 if row.kept is None or row.kept >= model.DENSE_ABOVE else row.kept
+    expected = one * (len(gemms) - 2 + 2 * f)
+    assert sum(p.flops for p in gemms) == pytest.approx(expected, rel=1e-9)
     assert len(gemms) == {"ce_ms": 4, "stats": 4, "stats_replay": 4, "kd_columns": 6,
                           "kd": 4, "kd_jsd": 4}.get(row.plan, 3)  # fmt: skip
     assert 0 < extra < 4 * (1 << 30)
@@ -51,5 +55,21 @@ def test_the_report_names_the_measured_figures_and_a_verdict(capsys):
     out = capsys.readouterr().out
     assert "69.3 ms (1.86x floor)" in out and "today's code (model)" in out
     assert "met (predicted)" in out and "grad_weight" in out
-    assert model.main(["--row", "forward_kl"]) == 0
+    assert model.main(["--row", "forward_kl_ms"]) == 0
     assert "with a fused epilogue (not built)" in capsys.readouterr().out
+    assert model.main(["--row", "filter_trained", "--kept", "0.3"]) == 0
+    assert "(30% of the columns kept)" in capsys.readouterr().out
+
+
+def test_filtering_pays_with_what_it_leaves_out():
+    """Nothing left out: the exact products and a mask pass, within 5% of exact; the
+    less the filter keeps, the faster (two GEMMs of three shrink with it)."""
+    gpu = model.GPUS["h200"]
+
+    def ms(kept):
+        parts, _, _ = model.plan_parts("ce_gif", 8192, 4096, 128256, True, kept)
+        return sum(p.ms(gpu) for p in parts)
+
+    exact = ms(None)
+    assert exact < ms(1.0) <= 1.05 * exact
+    assert ms(0.2) < ms(0.5) < ms(0.7) <= ms(1.0)

@@ -164,11 +164,12 @@ def epilogue_tile(tile: TileConfig, extra_stats: bool = False) -> TileConfig:
     products, but the tile's int64 addresses are live from its load to its store: at the
     products' width ptxas needs 255 registers (and spills on sm_80) for odd strides
     (``scripts/aot_compile.py --match FROM_LOGITS``). With the extra statistics at most
-    32 rows as well (64 rows spill 4-8 bytes on sm_90 at odd strides with a bias, at
-    ptxas's 128-register cap for 8 warps)."""
+    32 rows and 4 warps as well (64 rows spill 4-8 bytes on sm_90 at odd strides with a
+    bias with triton 3.9, at ptxas's 128-register cap for 8 warps; 32 rows of 8 warps
+    spill 8 bytes on sm_80 with triton 3.6, at its 64-register cap)."""
     tile = dataclasses.replace(tile, BLOCK_N=max(16, tile.BLOCK_N // 2))
     if extra_stats:
-        tile = dataclasses.replace(tile, BLOCK_M=min(32, tile.BLOCK_M))
+        tile = dataclasses.replace(tile, BLOCK_M=min(32, tile.BLOCK_M), num_warps=4)
     return tile
 
 

@@ -146,9 +146,13 @@ class Grads(NamedTuple):
 
 
 class Backend(Protocol):
-    """What a backend implements (inputs validated; ``local_target`` int64 ``[BT]``)."""
+    """What a backend implements (inputs validated; ``local_target`` int64 ``[BT]``).
+    ``epilogues``: a module of fused objective epilogues over whole kept blocks (the
+    Triton backend's ``vocab_parallel.backends.triton_epilogues``: the distillation's
+    ``divergence_stats``, ``divergence_second``, ``divergence_grad``), or None."""
 
     name: str
+    epilogues: object
 
     def forward_stats(
         self,

@@ -29,6 +29,9 @@ class _Functions:
     forward_stats: object
     fused_backward: object
     chunk_logits: object
+    # Fused objective epilogues (a module of launchers), or None: the objectives' own
+    # torch epilogues run (``vocab_parallel.backends.interface.Backend.epilogues``).
+    epilogues: object = None
 
 
 @functools.cache
@@ -36,8 +39,9 @@ def get_backend(name: str) -> Backend:
     """The resolved backend ``name`` (``"torch"`` or ``"triton"``)."""
     if name == "triton":
         from vocab_parallel.backends import triton_backend as tb
+        from vocab_parallel.backends import triton_epilogues as te
 
-        return _Functions("triton", tb.forward_stats, tb.fused_backward, tb.chunk_logits)
+        return _Functions("triton", tb.forward_stats, tb.fused_backward, tb.chunk_logits, te)
     if name == "torch":
         from vocab_parallel.backends import torch_backend as tb
 

@@ -77,12 +77,13 @@ class Divergence(Epilogue):
     fused = False  # set by local_of: this epilogue's kernels over whole kept blocks
 
     def _fusable(self, chunks) -> bool:
-        """Whether the Triton backend's fused epilogue runs (``docs/design.md``,
-        "Distillation"): kept fp32 blocks of both heads (grad_in_forward's token chunk,
-        high-performance mode), a dense teacher, no hard-label term, no softcap."""
+        """Whether the backend's fused epilogue runs (the Triton backend's:
+        ``docs/design.md``, "Distillation"): kept fp32 blocks of both heads
+        (grad_in_forward's token chunk, high-performance mode), a dense teacher, no
+        hard-label term, no softcap."""
         spec = self.spec
         return (
-            chunks.backend.name == "triton"
+            chunks.backend.epilogues is not None
             and chunks.kept is not None
             and not spec.sparse
             and not spec.ce
@@ -97,12 +98,11 @@ class Divergence(Epilogue):
         if not self.fused:
             return super().local_of(chunks)
         self.dtype = chunks.heads[0][0].dtype  # G's: the student's inputs
-        from vocab_parallel.backends.triton_epilogues import divergence_stats
-
+        self.kernels = chunks.backend.epilogues
         s, t = chunks.chunk(0, chunks.v)  # each head's logits by one GEMM, kept
         chunks.filled = True
         div = self.spec.divergence
-        m_s, s_s, a_s, m_t, s_t, a_t = divergence_stats(div, s, t, self.inv_t)
+        m_s, s_s, a_s, m_t, s_t, a_t = self.kernels.divergence_stats(div, s, t, self.inv_t)
         stu = Online.of(m_s, s_s, *([a_s] if div == "reverse_kl" else []))
         tea = Online.of(m_t, s_t, *([a_t] if div == "forward_kl" else []))
         return Local([stu, tea], [], None)
@@ -110,10 +110,8 @@ class Divergence(Epilogue):
     def second_of(self, chunks, terms):
         if not (self.fused and self.spec.divergence == "jsd"):
             return super().second_of(chunks, terms)
-        from vocab_parallel.backends.triton_epilogues import divergence_second
-
         s, t = chunks.chunk(0, chunks.v)
-        return divergence_second(s, t, self.inv_t, terms.ls, terms.lt, self.spec.beta)
+        return self.kernels.divergence_second(s, t, self.inv_t, terms.ls, terms.lt, self.spec.beta)
 
     def gradient_width(self, chunks) -> int:
         return chunks.v if self.fused else chunks.width
@@ -217,11 +215,9 @@ class Divergence(Epilogue):
         (log p_s - log m - coef)``; top-k ``p_s - q`` at the ids, ``p_s - e^(log p_s +
         coef)`` off them; ``p1 = softmax(z)`` (``p_s`` without a temperature)."""
         if self.fused:  # the whole block: one kernel (no hard-label term, no cap)
-            from vocab_parallel.backends.triton_epilogues import divergence_grad
-
             c = grad if self.inv_t is None else grad * self.inv_t
             beta = self.spec.beta if self.spec.divergence == "jsd" else 0.5
-            return divergence_grad(
+            return self.kernels.divergence_grad(
                 self.spec.divergence, logits[0], logits[1], self.inv_t, terms.ls, terms.lt,
                 terms.coef, c, beta, self.dtype,
             )  # fmt: skip

@@ -159,18 +159,12 @@ def forward_stats_kernel(
         tl.store(exp2_ptr + out, exp2, mask=row_ok)
 
 
-def epilogue_tile(tile: TileConfig, extra_stats: bool = False) -> TileConfig:
+def epilogue_tile(tile: TileConfig) -> TileConfig:
     """The tile of a ``FROM_LOGITS`` launch: half the columns of the products' tile. No
     products, but the tile's int64 addresses are live from its load to its store: at the
     products' width ptxas needs 255 registers (and spills on sm_80) for odd strides
-    (``scripts/aot_compile.py --match FROM_LOGITS``). With the extra statistics at most
-    32 rows and 4 warps as well (64 rows spill 4-8 bytes on sm_90 at odd strides with a
-    bias with triton 3.9, at ptxas's 128-register cap for 8 warps; 32 rows of 8 warps
-    spill 8 bytes on sm_80 with triton 3.6, at its 64-register cap)."""
-    tile = dataclasses.replace(tile, BLOCK_N=max(16, tile.BLOCK_N // 2))
-    if extra_stats:
-        tile = dataclasses.replace(tile, BLOCK_M=min(32, tile.BLOCK_M), num_warps=4)
-    return tile
+    (``scripts/aot_compile.py --match FROM_LOGITS``)."""
+    return dataclasses.replace(tile, BLOCK_N=max(16, tile.BLOCK_N // 2))
 
 
 def meta(
@@ -214,13 +208,15 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
     for store, logit_sum, has_bias, softcap, scaled, extra, from_logits in flags:
         if logit_sum and extra:
             continue
-        if from_logits and store and not (has_bias or softcap or scaled):
+        if from_logits and store and not (has_bias or softcap or scaled or extra):
             continue  # the products unchanged: not written back
+        if from_logits and extra and not store:
+            continue  # written back (without, the extra sums spill at some sizes/tritons)
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             if not from_logits and dtype == torch.float32:
                 continue
             for tile in tile_configs("forward_stats", dtype, capability, heavy_epilogue=extra):
-                tile = epilogue_tile(tile, extra) if from_logits else tile
+                tile = epilogue_tile(tile) if from_logits else tile
                 kw = meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile, extra,
                           from_logits)  # fmt: skip
                 variants.append((forward_stats_kernel, dtype, kw))

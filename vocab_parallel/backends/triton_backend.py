@@ -157,8 +157,10 @@ def forward_stats(
             chunk = replace(logits, bias=None if logits.bias is None else logits.bias[v0:v1])
             t_c = target if v0 == 0 else target - v0  # off the chunk: never a column of it
             cw_c = None if cw is None else cw[v0:v1]
+            # z written back only with the extra sums: that variant of the kernel is the
+            # one that fits every target's registers (scripts/aot_compile.py)
             w_c = weight[v0:v1]
-            parts.append(_stats_partials(x, w_c, t_c, chunk, cw_c, z, True, False, *args))
+            parts.append(_stats_partials(x, w_c, t_c, chunk, cw_c, z, True, extra_stats, *args))
         part = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     p_max, p_sum, p_pred, p_lsum = part[:4]
     row_max = p_max.max(dim=0).values
@@ -184,7 +186,7 @@ def _stats_partials(
     capability = device_capability(x.device)
     tile = tile_config("forward_stats", x.dtype, capability, bt, heavy_epilogue=extra_stats)
     if from_logits:
-        tile = forward.epilogue_tile(tile, extra_stats)
+        tile = forward.epilogue_tile(tile)
     n_tiles = triton.cdiv(v, tile.BLOCK_N)
     n_row_blocks = triton.cdiv(bt, tile.BLOCK_M)
     splits = num_splits(n_row_blocks, n_tiles, x.device)

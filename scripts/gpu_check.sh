@@ -20,6 +20,10 @@
 #   verify          launch/verify.py, configs/verify_gpu.yaml, torchrun with 1 process
 #                   (120 cases at H 256: sized to finish in its step, see the config)
 #   tests           the Triton tests of the suite on CUDA (multi-rank ones skip: one GPU)
+#   bench_heads     benchmarks/bench_heads.py: log-probs + entropy, forward KL and JSD to
+#                   a dense teacher at 4096 x 4096 x 128256, ours against materialised
+#                   logits (and Liger's fused linear JSD), in one process; last, in what
+#                   the budget leaves
 #
 # The summary table is printed as the steps finish, first to last, and each row is also
 # appended to $LOG_DIR/summary.md at once (LOG_DIR defaults to $OUT/gpu_check), so a run
@@ -137,10 +141,12 @@ EOF
 
 if [[ -n "$DRY" ]]; then
     BENCH=(--device cpu --dtypes bf16 --bt 64 --hidden 32 --vocab 500 --repeats 1)
+    HEADS=(--device cpu --tokens 64 --hidden 32 --vocab 500 --repeats 1)
     VERIFY_SHAPE=(--tokens 7 --hidden 16 --vocab 67 --dtypes float32 bfloat16)
     TESTS_DRY=(--collect-only)
 else
     BENCH=(--device cuda --dtypes bf16 --bt 8192 --hidden 4096 --vocab 128256 --repeats 5)
+    HEADS=(--device cuda --tokens 4096 --hidden 4096 --vocab 128256 --repeats 5)
     VERIFY_SHAPE=()
     TESTS_DRY=()
 fi
@@ -167,6 +173,7 @@ step verify 60 '(OK|FAILED):' -- "$PY" -m torch.distributed.run --standalone --n
     launch/verify.py --config configs/verify_gpu.yaml "${VERIFY_SHAPE[@]}"
 step tests 70 '(passed|failed|error|tests collected)' -- "$PY" -m pytest -q -p no:cacheprovider \
     -m "not slow" -k triton "${TESTS_DRY[@]}" tests
+step bench_heads 45 '(OK|FAILED):' -- "$PY" benchmarks/bench_heads.py "${HEADS[@]}"
 
 echo
 echo "total $((SECONDS - start_all)) s (budget ${BUDGET_S} s); logs and summary.md: $LOG_DIR"

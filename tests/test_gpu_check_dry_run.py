@@ -19,7 +19,10 @@ import pytest
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ("install", "variants", "llama_fp64", "large_offsets", "bench_loss", "verify", "tests")
+STEPS = (
+    "install", "variants", "llama_fp64", "large_offsets", "bench_loss", "verify", "tests",
+    "bench_heads",
+)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -45,6 +48,6 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
     assert printed == summary, out.stdout
     # Each data step reported its verdict, not merely an exit status.
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in STEPS}
-    for name in ("variants", "llama_fp64", "large_offsets"):
+    for name in ("variants", "llama_fp64", "large_offsets", "bench_heads"):
         assert "OK:" in logs[name], logs[name][-2000:]
     assert "listed kernel variants ran" in logs["variants"]

@@ -30,7 +30,7 @@ class _Functions:
     fused_backward: object
     chunk_logits: object
     # Fused objective epilogues (a module of launchers), or None: the objectives' own
-    # torch epilogues run (``vocab_parallel.backends.interface.Backend.epilogues``).
+    # torch epilogues run (``vocab_parallel.backends.interface.Backend``, its epilogues).
     epilogues: object = None
 
 

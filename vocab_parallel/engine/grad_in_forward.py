@@ -204,7 +204,10 @@ class KeptG:
                 cols = idx + v0
                 g_c, w_c = g.index_select(1, cols).to(operand), w.index_select(0, cols).to(operand)
                 precision.addmm_fp32_(grad_input, g_c, w_c)
-        if want[0]:
+        if want[0] and torch.compiler.is_compiling():  # dynamo: no async_op
+            grad_input = all_reduce(grad_input, "SUM", self.group, "grad_input")
+            wait = lambda: grad_input  # noqa: E731
+        elif want[0]:
             wait = all_reduce_async(grad_input, "SUM", self.group, "grad_input")
         grad_weight = grad_bias = None
         if want[1]:

@@ -15,6 +15,7 @@ FILES=(
     tests/test_backward_op.py tests/test_options.py tests/test_loss_api.py
     tests/test_grad_in_forward.py tests/test_large_offsets.py tests/test_backend_policy.py
     tests/test_cpu_half_gemms.py tests/test_package.py tests/test_distillation.py
+    tests/test_g_in_place.py tests/test_kept_g.py
 )
 # Marked slow (out of the maintainers' fast loop), run here on purpose: the multi-rank
 # Triton tests. The ahead-of-time compile follows: the covering subset for sm_90, the

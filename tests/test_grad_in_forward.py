@@ -218,12 +218,16 @@ def test_upstream_scalar_scales_the_saved_gradients(chunked):
     torch.testing.assert_close(gw3, -3.0 * gw1, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("plan", ["accumulated", "kept_g"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_second_backward_through_the_same_graph_recomputes(backend, chunked):
+def test_second_backward_through_the_same_graph_recomputes(backend, plan, chunked, monkeypatch):
     """retain_graph=True: the first backward hands out the forward's gradients, the second
-    recomputes them (memory-saving style) with its own upstream scalar."""
+    recomputes them (memory-saving style; a kept G makes its products again) with its own
+    upstream scalar; after the graph is freed a third raises."""
     if backend == "triton" and not HAS_TRITON:
         pytest.skip("triton is not installed")
+    if plan == "kept_g":  # the GPU plan, forced here
+        monkeypatch.setattr(memory, "keeps_g", lambda *args: True)
     gen, dev = torch.Generator().manual_seed(2), device_for(backend)
     x = torch.randn(37, 33, generator=gen).to(dev).requires_grad_(True)
     w = torch.randn(389, 33, generator=gen).to(dev).requires_grad_(True)

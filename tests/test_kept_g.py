@@ -125,30 +125,25 @@ def test_distillation_equals_the_accumulated_plan(backend, divergence, monkeypat
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
-def test_second_backward_makes_the_products_again_and_g_is_freed_after(kept):
+def test_autograd_frees_the_kept_g_with_the_graph(kept):
+    """``G`` is saved for backward (not held by the Function): after a backward without
+    ``retain_graph`` no ``[tokens, V]`` tensor is left, though the loss still is."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(37, 33, generator=gen, requires_grad=True)
     w = torch.randn(V, 33, generator=gen, requires_grad=True)
-    b = torch.randn(V, generator=gen, requires_grad=True)
     y = torch.randint(0, V, (37,), generator=gen)
-    kw = dict(bias=b, z_loss=1e-3, softcap=5.0, label_smoothing=0.1, backend="torch")
-    loss = vp.vocab_parallel_linear_cross_entropy(x, w, y, mode="grad_in_forward", **kw)
-    first = torch.autograd.grad(loss * 2.0, (x, w, b), retain_graph=True)
-    second = torch.autograd.grad(loss * -0.5, (x, w, b))
-    ref_loss = vp.vocab_parallel_linear_cross_entropy(x, w, y, mode="memory_saving", **kw)
-    ref = torch.autograd.grad(ref_loss, (x, w, b))
-    for f, s, r in zip(first, second, ref, strict=True):
-        torch.testing.assert_close(f, 2.0 * r, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(s, -0.5 * r, rtol=1e-5, atol=1e-6)
-    with pytest.raises(RuntimeError, match="second time|freed"):
-        torch.autograd.grad(loss, (x,))
-    # autograd freed the kept G with the graph's saved tensors: only the loss is left
-    gc.collect()
-    alive = [
-        t for t in gc.get_objects()
-        if type(t) is torch.Tensor and t.dtype == torch.float32 and tuple(t.shape) == (37, V)
-    ]  # fmt: skip
-    assert not alive
+    loss = vp.vocab_parallel_linear_cross_entropy(x, w, y, mode="grad_in_forward")
+
+    def alive():
+        gc.collect()
+        return [
+            t for t in gc.get_objects()
+            if type(t) is torch.Tensor and tuple(t.shape) == (37, V)
+        ]  # fmt: skip
+
+    assert len(alive()) == 1 and kept  # the kept G, before the backward
+    loss.backward()
+    assert not alive() and loss.grad_fn is not None
 
 
 @pytest.mark.parametrize("frozen", ["hidden", "weight"])

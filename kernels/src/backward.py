@@ -87,6 +87,28 @@ def grad_tile(
 
 
 @triton.jit
+def row_terms(
+    pscale_ptr, target_ptr, grad_ptr, ent_ptr, ontarget_ptr, rows, row_ok, stride_ps,
+    stride_grad, SCALED: tl.constexpr, ENTROPY: tl.constexpr,
+):  # fmt: skip
+    """The rows' terms of ``G`` (both G kernels' pointers, the kernels' docstrings):
+    ``(pscale, target, upstream, ent, hot)``, the last two only with their flags (else
+    stand-ins never read)."""
+    pscale = tl.load(pscale_ptr + rows * stride_ps, mask=row_ok, other=1.0)
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+    upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
+    if ENTROPY:
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+    else:
+        ent = pscale  # never read
+    if SCALED:
+        hot = tl.load(ontarget_ptr + rows, mask=row_ok, other=0.0)
+    else:
+        hot = pscale  # never read
+    return pscale, target, upstream, ent, hot
+
+
+@triton.jit
 def logits_grad_kernel(
     # Pointers
     x_ptr,  # [BT, H] input (memory-saving mode)
@@ -180,20 +202,15 @@ def logits_grad_kernel(
         row_max = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
         row_sum = tl.load(sumexp_ptr + rows, mask=row_ok, other=1.0)
         prob = tl.exp(z - row_max[:, None]) / row_sum[:, None]
-    pscale = tl.load(pscale_ptr + rows * stride_ps, mask=row_ok, other=1.0)
-    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
-    upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
-    if ENTROPY:
-        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-    else:
-        ent = pscale  # never read
+    pscale, target, upstream, ent, hot = row_terms(
+        pscale_ptr, target_ptr, grad_ptr, ent_ptr, ontarget_ptr, rows, row_ok, stride_ps,
+        stride_grad, SCALED, ENTROPY,
+    )  # fmt: skip
     if SCALED:
-        hot = tl.load(ontarget_ptr + rows, mask=row_ok, other=0.0)
         cw = tl.load(cw_ptr + vcols, mask=col_ok, other=0.0)
         upstream = upstream * inv_t  # d z / d cap(r) = 1 / T
     else:
-        hot = pscale  # never read
-        cw = pscale
+        cw = pscale  # never read
     if HAS_SOFTMAX:
         row_max = pscale  # never read (no entropy from a saved softmax)
         z = prob
@@ -266,19 +283,13 @@ def logits_grad_rows_kernel(
     row_ok = rows < BT
     row_max = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
     row_sum = tl.load(sumexp_ptr + rows, mask=row_ok, other=1.0)
-    pscale = tl.load(pscale_ptr + rows * stride_ps, mask=row_ok, other=1.0)
-    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
-    upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
-    if ENTROPY:
-        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-    else:
-        ent = pscale  # never read
+    pscale, target, upstream, ent, hot = row_terms(
+        pscale_ptr, target_ptr, grad_ptr, ent_ptr, ontarget_ptr, rows, row_ok, stride_ps,
+        stride_grad, SCALED, ENTROPY,
+    )  # fmt: skip
     if SCALED:
-        hot = tl.load(ontarget_ptr + rows, mask=row_ok, other=0.0)
         inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=1.0)
         upstream = upstream * inv_t  # d z / d cap(r) = 1 / T
-    else:
-        hot = pscale  # never read
     inv_softcap = 1.0 / softcap
     z_rows = z_ptr + rows[:, None] * stride_zm
     g_rows = g_ptr + rows[:, None] * stride_gm

@@ -48,6 +48,32 @@ def _logaddexp(a, b):
 
 
 @triton.jit
+def _row(s_ptr, t_ptr, invt_ptr, stride_s, stride_t, SCALED: tl.constexpr):
+    """This program's row: ``(row, its student logits, its teacher logits, its inverse
+    temperature)`` (1.0 unless SCALED)."""
+    row = tl.program_id(0).to(tl.int64)
+    if SCALED:
+        inv_t = tl.load(invt_ptr + row)
+    else:
+        inv_t = 1.0
+    return row, s_ptr + row * stride_s, t_ptr + row * stride_t, inv_t
+
+
+@triton.jit
+def _tempered(s_row, t_row, c0, V, inv_t, SCALED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns ``[c0, c0 + BLOCK_N)`` of a row of both heads, tempered: ``(cols, ok, u,
+    w)``; ``-inf`` past ``V`` (a probability of 0)."""
+    cols = c0 + tl.arange(0, BLOCK_N).to(tl.int64)
+    ok = cols < V
+    u = tl.load(s_row + cols, mask=ok, other=float("-inf"))
+    w = tl.load(t_row + cols, mask=ok, other=float("-inf"))
+    if SCALED:
+        u = u * inv_t
+        w = w * inv_t
+    return cols, ok, u, w
+
+
+@triton.jit
 def divergence_stats_kernel(
     s_ptr,  # [BT, V] fp32 student logits (untempered), rows of stride_s elements
     t_ptr,  # [BT, V] fp32 teacher logits (untempered), rows of stride_t elements
@@ -61,11 +87,7 @@ def divergence_stats_kernel(
     SCALED: tl.constexpr,  # a per-row temperature
     BLOCK_N: tl.constexpr,  # columns per step
 ):
-    row = tl.program_id(0).to(tl.int64)
-    s_row = s_ptr + row * stride_s
-    t_row = t_ptr + row * stride_t
-    if SCALED:
-        inv_t = tl.load(invt_ptr + row)
+    row, s_row, t_row, inv_t = _row(s_ptr, t_ptr, invt_ptr, stride_s, stride_t, SCALED)
     m_s = tl.full((), FLT_MIN, tl.float32)
     m_t = tl.full((), FLT_MIN, tl.float32)
     sum_s = tl.zeros((), tl.float32)
@@ -73,13 +95,7 @@ def divergence_stats_kernel(
     a_s = tl.zeros((), tl.float32)
     a_t = tl.zeros((), tl.float32)
     for c0 in range(0, V, BLOCK_N):
-        cols = c0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        ok = cols < V
-        u = tl.load(s_row + cols, mask=ok, other=float("-inf"))
-        w = tl.load(t_row + cols, mask=ok, other=float("-inf"))
-        if SCALED:
-            u = u * inv_t
-            w = w * inv_t
+        cols, ok, u, w = _tempered(s_row, t_row, c0, V, inv_t, SCALED, BLOCK_N)
         new_s = tl.maximum(m_s, tl.max(u, axis=0))
         new_t = tl.maximum(m_t, tl.max(w, axis=0))
         decay_s = tl.exp(m_s - new_s)
@@ -119,23 +135,13 @@ def divergence_second_kernel(
     SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    s_row = s_ptr + row * stride_s
-    t_row = t_ptr + row * stride_t
-    if SCALED:
-        inv_t = tl.load(invt_ptr + row)
+    row, s_row, t_row, inv_t = _row(s_ptr, t_ptr, invt_ptr, stride_s, stride_t, SCALED)
     ls = tl.load(ls_ptr + row)
     lt = tl.load(lt_ptr + row)
     k_t = tl.zeros((), tl.float32)
     k_s = tl.zeros((), tl.float32)
     for c0 in range(0, V, BLOCK_N):
-        cols = c0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        ok = cols < V
-        u = tl.load(s_row + cols, mask=ok, other=float("-inf"))
-        w = tl.load(t_row + cols, mask=ok, other=float("-inf"))
-        if SCALED:
-            u = u * inv_t
-            w = w * inv_t
+        cols, ok, u, w = _tempered(s_row, t_row, c0, V, inv_t, SCALED, BLOCK_N)
         lp_s = u - ls
         lp_t = w - lt
         lm = _logaddexp(lp_t + log_beta, lp_s + log_rest)
@@ -170,25 +176,15 @@ def divergence_grad_kernel(
     ROUND_BF16: tl.constexpr,  # round G to bf16 by hand (the interpreter truncates)
     BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    s_row = s_ptr + row * stride_s
-    t_row = t_ptr + row * stride_t
+    row, s_row, t_row, inv_t = _row(s_ptr, t_ptr, invt_ptr, stride_s, stride_t, SCALED)
     g_row = g_ptr + row * stride_g
-    if SCALED:
-        inv_t = tl.load(invt_ptr + row)
     ls = tl.load(ls_ptr + row)
     lt = tl.load(lt_ptr + row)
     c = tl.load(c_ptr + row)
     if KIND != 0:
         coef = tl.load(coef_ptr + row)
     for c0 in range(0, V, BLOCK_N):
-        cols = c0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        ok = cols < V
-        u = tl.load(s_row + cols, mask=ok, other=float("-inf"))
-        w = tl.load(t_row + cols, mask=ok, other=float("-inf"))
-        if SCALED:
-            u = u * inv_t
-            w = w * inv_t
+        cols, ok, u, w = _tempered(s_row, t_row, c0, V, inv_t, SCALED, BLOCK_N)
         lp_s = u - ls
         p_s = tl.exp(lp_s)
         if KIND == 0:

@@ -115,6 +115,40 @@ CHILD = textwrap.dedent(
         x = far_rows(x)
         stats_agree(x, w, target, 1e-5)
         grads_agree(x, w, target, 1e-2, logits_max=lmax, sum_exp_logits=sumexp)
+    elif case == "rows_in_place":  # grad_in_forward: G written over far kept logits
+        from vocab_parallel.backends.interface import GradTerms, Logits, Outputs
+
+        x, w, target, lmax, sumexp, _ = problem(6, 16, 40, torch.bfloat16)
+        z = (x.float() @ w.float().T)
+        grad = torch.rand(6, generator=gen) + 0.5
+        out = Outputs(need_input=True, need_weight=True)
+        grads = []
+        for saved, reuse in ((far_rows(z), True), (z.clone(), False)):
+            terms = GradTerms(grad=grad, on_target=1.0, logits_max=lmax, sum_exp=sumexp,
+                              logits=saved, reuse_logits=reuse)
+            grads.append(triton_backend.fused_backward(x, w, target, Logits(), terms, out))
+        check("grad_input", grads[0].input, grads[1].input, 1e-2)
+        check("grad_weight", grads[0].weight, grads[1].weight, 1e-2)
+    elif case == "divergence":  # the fused distillation epilogue over far blocks
+        from vocab_parallel.backends import triton_epilogues as te
+
+        s_blk = torch.randn(6, 40, generator=gen)
+        t_blk = torch.randn(6, 40, generator=gen)
+        inv_t = torch.rand(6, generator=gen) + 0.5
+        far = (far_rows(s_blk), far_rows(t_blk))
+        for kind in ("forward_kl", "reverse_kl", "jsd"):
+            for name, a, e in zip(("m_s", "S_s", "A_s", "m_t", "S_t", "A_t"),
+                                  te.divergence_stats(kind, *far, inv_t),
+                                  te.divergence_stats(kind, s_blk, t_blk, inv_t)):
+                check(f"{kind} {name}", a, e, 1e-6)
+        ls, lt = torch.rand(6, generator=gen) + 4, torch.rand(6, generator=gen) + 4
+        coef, c = torch.rand(6, generator=gen), torch.rand(6, generator=gen)
+        check("jsd K", te.divergence_second(*far, inv_t, ls, lt, 0.3),
+              te.divergence_second(s_blk, t_blk, inv_t, ls, lt, 0.3), 1e-6)
+        for kind in ("forward_kl", "reverse_kl", "jsd"):
+            args = (inv_t, ls, lt, coef, c, 0.3, torch.float32)
+            check(f"{kind} G", te.divergence_grad(kind, *far, *args),
+                  te.divergence_grad(kind, s_blk, t_blk, *args), 1e-6)
     else:
         raise SystemExit(f"unknown case {case}")
     print("ok")
@@ -122,7 +156,9 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("case", ["softmax", "logits_out", "weight", "input"])
+@pytest.mark.parametrize(
+    "case", ["softmax", "logits_out", "weight", "input", "rows_in_place", "divergence"]
+)
 def test_offsets_past_2_31_elements(case):
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run(

@@ -51,32 +51,39 @@ def grad_tile(
     z,  # [M, N] fp32 capped logits (read with ENTROPY)
     t,  # [M, N] fp32 tanh(r / c) of the cap (read with SOFTCAP)
     row_max,  # [M] fp32 global logits max (read with ENTROPY)
-    pscale,  # [M] fp32 factor of the softmax (1 + 2 z_loss lse)
-    ent,  # [M] fp32 factor of p * (z - max) (read with ENTROPY)
-    target,  # [M] int64 local target column, -1 where not on this shard
-    upstream,  # [M] fp32 upstream gradient (SCALED: times the inverse temperature)
-    hot,  # [M] fp32 what each row's one-hot subtracts (read when SCALED)
-    cw,  # [N] fp32 class weight of each column (read when SCALED)
+    rows,  # [M] int64 rows of the tile
+    row_ok,  # [M] rows < BT
     vcols,  # [N] shard columns of the tile
+    col_ok,  # [N] the tile's columns that exist
+    inv_t,  # [M] fp32 inverse temperature (read when SCALED)
+    pscale_ptr, stride_ps, ent_ptr, target_ptr, grad_ptr, stride_grad, ontarget_ptr, cw_ptr,
     on_target,  # what the one-hot subtracts (the same for every row unless SCALED)
     smooth_all,  # label_smoothing / global_vocab_size
     SOFTCAP: tl.constexpr,
     SCALED: tl.constexpr,
     ENTROPY: tl.constexpr,
-):
-    """One fp32 tile of ``G`` from its softmax and row terms: the z-loss scale (or the
-    entropy's factor), the one-hot and label smoothing, the upstream gradient, the cap's
-    derivative. Both G kernels' epilogue."""
+):  # fmt: skip
+    """One fp32 tile of ``G`` from its softmax and the rows' terms (the kernels' pointers,
+    loaded here, each where it is first used: the order keeps the chunk kernel's tiles in
+    their registers): the z-loss scale (or the entropy's factor), the one-hot and label
+    smoothing, the upstream gradient, the cap's derivative. Both G kernels' epilogue."""
     # z-loss: softmax * (1 + 2 z_loss lse); exactly the softmax (times 1.0) without it.
+    pscale = tl.load(pscale_ptr + rows * stride_ps, mask=row_ok, other=1.0)
     if ENTROPY:  # token statistics: p * (pscale + ent * (z - max)), z - max = log(p sum)
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
         zm = z - row_max[:, None]
         zm = tl.where(zm > float("-inf"), zm, 0.0)  # a -inf logit: p = 0, a finite factor
         prob = prob * (pscale[:, None] + ent[:, None] * zm)
     else:
         prob = prob * pscale[:, None]
     # One-hot of the local target (-1, never a column, where the target is elsewhere).
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+    upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
     if SCALED:
+        hot = tl.load(ontarget_ptr + rows, mask=row_ok, other=0.0)
         onehot = tl.where(vcols[None, :] == target[:, None], hot[:, None], 0.0)
+        cw = tl.load(cw_ptr + vcols, mask=col_ok, other=0.0)
+        upstream = upstream * inv_t  # d z / d cap(r) = 1 / T
         g = (prob - smooth_all * cw[None, :] - onehot) * upstream[:, None]
     else:
         onehot = tl.where(vcols[None, :] == target[:, None], on_target, 0.0)
@@ -84,28 +91,6 @@ def grad_tile(
     if SOFTCAP:  # through the cap: dz/dr = 1 - tanh(r / c)^2
         g = g * (1.0 - t * t)
     return g
-
-
-@triton.jit
-def row_terms(
-    pscale_ptr, target_ptr, grad_ptr, ent_ptr, ontarget_ptr, rows, row_ok, stride_ps,
-    stride_grad, SCALED: tl.constexpr, ENTROPY: tl.constexpr,
-):  # fmt: skip
-    """The rows' terms of ``G`` (both G kernels' pointers, the kernels' docstrings):
-    ``(pscale, target, upstream, ent, hot)``, the last two only with their flags (else
-    stand-ins never read)."""
-    pscale = tl.load(pscale_ptr + rows * stride_ps, mask=row_ok, other=1.0)
-    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
-    upstream = tl.load(grad_ptr + rows * stride_grad, mask=row_ok, other=0.0)
-    if ENTROPY:
-        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-    else:
-        ent = pscale  # never read
-    if SCALED:
-        hot = tl.load(ontarget_ptr + rows, mask=row_ok, other=0.0)
-    else:
-        hot = pscale  # never read
-    return pscale, target, upstream, ent, hot
 
 
 @triton.jit
@@ -202,22 +187,16 @@ def logits_grad_kernel(
         row_max = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
         row_sum = tl.load(sumexp_ptr + rows, mask=row_ok, other=1.0)
         prob = tl.exp(z - row_max[:, None]) / row_sum[:, None]
-    pscale, target, upstream, ent, hot = row_terms(
-        pscale_ptr, target_ptr, grad_ptr, ent_ptr, ontarget_ptr, rows, row_ok, stride_ps,
-        stride_grad, SCALED, ENTROPY,
-    )  # fmt: skip
-    if SCALED:
-        cw = tl.load(cw_ptr + vcols, mask=col_ok, other=0.0)
-        upstream = upstream * inv_t  # d z / d cap(r) = 1 / T
-    else:
-        cw = pscale  # never read
     if HAS_SOFTMAX:
-        row_max = pscale  # never read (no entropy from a saved softmax)
+        row_max = prob  # never read (no entropy from a saved softmax)
         z = prob
     if not SOFTCAP:
         t = prob  # never read
+    if not SCALED:
+        inv_t = prob  # never read
     g = grad_tile(
-        prob, z, t, row_max, pscale, ent, target, upstream, hot, cw, vcols,
+        prob, z, t, row_max, rows, row_ok, vcols, col_ok, inv_t,
+        pscale_ptr, stride_ps, ent_ptr, target_ptr, grad_ptr, stride_grad, ontarget_ptr, cw_ptr,
         on_target, smooth_all, SOFTCAP, SCALED, ENTROPY,
     )  # fmt: skip
     if ROUND_BF16:
@@ -283,13 +262,10 @@ def logits_grad_rows_kernel(
     row_ok = rows < BT
     row_max = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
     row_sum = tl.load(sumexp_ptr + rows, mask=row_ok, other=1.0)
-    pscale, target, upstream, ent, hot = row_terms(
-        pscale_ptr, target_ptr, grad_ptr, ent_ptr, ontarget_ptr, rows, row_ok, stride_ps,
-        stride_grad, SCALED, ENTROPY,
-    )  # fmt: skip
     if SCALED:
         inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=1.0)
-        upstream = upstream * inv_t  # d z / d cap(r) = 1 / T
+    else:
+        inv_t = row_sum  # never read
     inv_softcap = 1.0 / softcap
     z_rows = z_ptr + rows[:, None] * stride_zm
     g_rows = g_ptr + rows[:, None] * stride_gm
@@ -299,10 +275,6 @@ def logits_grad_rows_kernel(
         vcols = v_start + cols  # shard columns
         tile_ok = row_ok[:, None] & col_ok[None, :]
         z = tl.load(z_rows + cols[None, :], mask=tile_ok, other=0.0)
-        if SCALED:
-            cw = tl.load(cw_ptr + vcols, mask=col_ok, other=0.0)
-        else:
-            cw = pscale  # never read
         if RAW:  # the forward's z (forward_stats_kernel, FROM_LOGITS)
             if HAS_BIAS:
                 bias = tl.load(b_ptr + vcols, mask=col_ok, other=0.0)
@@ -323,8 +295,9 @@ def logits_grad_rows_kernel(
             t = z  # never read
         prob = tl.exp(z - row_max[:, None]) / row_sum[:, None]
         g = grad_tile(
-            prob, z, t, row_max, pscale, ent, target, upstream, hot, cw, vcols,
-            on_target, smooth_all, SOFTCAP, SCALED, ENTROPY,
+            prob, z, t, row_max, rows, row_ok, vcols, col_ok, inv_t,
+            pscale_ptr, stride_ps, ent_ptr, target_ptr, grad_ptr, stride_grad, ontarget_ptr,
+            cw_ptr, on_target, smooth_all, SOFTCAP, SCALED, ENTROPY,
         )  # fmt: skip
         if ROUND_BF16:
             g = round_bf16_rtne(g)

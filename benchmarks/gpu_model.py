@@ -258,8 +258,12 @@ def column_chunked(n: int, h: int, v: int, heads: int = 1, fused: bool = True, p
                           0, ops * 2 * logits, ops))  # fmt: skip
     parts += [
         _gemm("grad_input += G @ W_c (fp32, in the GEMM)", n, h, c, chunks, 0),
-        Part("grad_input accumulator: read and written by each later GEMM", 0,
-             (2 * chunks - 1) * 4.0 * n * h, 0),
+        Part(
+            "grad_input accumulator: read and written by each later GEMM",
+            0,
+            (2 * chunks - 1) * 4.0 * n * h,
+            0,
+        ),
         _gemm("grad_weight[c] = G.T @ x (fp32 scratch out)", c, h, n, chunks, 4.0 * c * h),
         Part("grad_weight rows rounded from the scratch (one pass)", 0, 6.0 * v * h, chunks),
     ]
@@ -363,8 +367,7 @@ def report(row: Row, gpu: GPU, show_parts: bool) -> str:
         f_mib = f_peak / (1 << 20)
         lines.append(
             f"  with a fused epilogue (not built): {f_total:.1f} ms = {f_total / ref:.2f}x, "
-            f"{f_mib:.0f} MiB extra, {f_launches} launches: "
-            + _verdict(row, f_total / ref, f_mib)
+            f"{f_mib:.0f} MiB extra, {f_launches} launches: " + _verdict(row, f_total / ref, f_mib)
         )
     if show_parts:
         lines.append(f"  {'part':58s} {'GFLOP':>7s} {'GB':>7s} {'launches':>8s} {'ms':>7s}")

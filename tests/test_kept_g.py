@@ -165,12 +165,30 @@ def _ranks(group):
     _force()
     cases = [
         Case(mode="grad_in_forward", backend="torch", reduction="mean"),
-        Case(mode="grad_in_forward", backend="torch", dtype="bfloat16", reduction="sum",
-             softcap=3.0, bias=True, label_smoothing=0.1),  # fmt: skip
-        Case(mode="grad_in_forward", backend="torch", reduction="mean", class_weight=True,
-             layout="reversed"),  # fmt: skip
-        Case(mode="grad_in_forward", backend="triton", dtype="bfloat16", reduction="mean",
-             label_smoothing=0.1, temperature="tensor"),  # fmt: skip
+        Case(
+            mode="grad_in_forward",
+            backend="torch",
+            dtype="bfloat16",
+            reduction="sum",
+            softcap=3.0,
+            bias=True,
+            label_smoothing=0.1,
+        ),  # fmt: skip
+        Case(
+            mode="grad_in_forward",
+            backend="torch",
+            reduction="mean",
+            class_weight=True,
+            layout="reversed",
+        ),  # fmt: skip
+        Case(
+            mode="grad_in_forward",
+            backend="triton",
+            dtype="bfloat16",
+            reduction="mean",
+            label_smoothing=0.1,
+            temperature="tensor",
+        ),  # fmt: skip
     ]
     return [check_case(c, group, torch.device("cpu")) for c in cases]
 

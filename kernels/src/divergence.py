@@ -52,7 +52,7 @@ def _row(s_ptr, t_ptr, invt_ptr, stride_s, stride_t, SCALED: tl.constexpr):
     """This program's row: ``(row, its student logits, its teacher logits, its inverse
     temperature)`` (1.0 unless SCALED)."""
     row = tl.program_id(0).to(tl.int64)
-    if SCALED:
+    if SCALED:  # noqa: SIM108 (a constexpr branch: one side is compiled)
         inv_t = tl.load(invt_ptr + row)
     else:
         inv_t = 1.0

@@ -143,8 +143,9 @@ def gradient_filter_stats(reset: bool = False) -> GradientFilterStats:
 def tile_mask(g: torch.Tensor, f: GradientFilter) -> torch.Tensor:
     """``[ceil(BT / rows), n]`` bool: which tiles of the chunk ``g [BT, n]`` are kept
     (some entry at or above ``eps |grad_i|``); a tile is one column of one block of
-    ``rows`` rows (:func:`tile_rows`: 128 on CPUs, the chunk's on GPUs). A row block keeping at least ``DENSE_ABOVE`` of its columns keeps
-    them all (its products run whole: gathering would cost more than it leaves out).
+    ``rows`` rows (:func:`tile_rows`: 128 on CPUs, the chunk's on GPUs). A row block
+    keeping at least ``DENSE_ABOVE`` of its columns keeps them all (its products run
+    whole: gathering would cost more than it leaves out).
 
     One pass over ``g``, a block of rows at a time: where every row with a gradient has
     the same one (a mean; :func:`_uniform`), each column's max and min, then the maxima

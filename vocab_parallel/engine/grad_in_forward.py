@@ -37,13 +37,12 @@ from collections.abc import Callable
 import torch
 
 from vocab_parallel.backends.interface import Outputs
-from vocab_parallel.engine import filtering
+from vocab_parallel.engine import filtering, precision
 from vocab_parallel.engine import memory_policy as memory
-from vocab_parallel.engine import precision
-from vocab_parallel.engine.filtering import GradientFilter
 from vocab_parallel.engine.autograd import (
     guarded_backward,
 )
+from vocab_parallel.engine.filtering import GradientFilter
 from vocab_parallel.engine.objective import Call
 from vocab_parallel.parallel.collectives import all_reduce, all_reduce_async, world_size
 

@@ -238,7 +238,7 @@ def fused_backward(
     products = functools.partial(
         gradient_products, x, weight, out=out, g_reads_operands=False, bias_grad_dtype=bias_dtype
     )
-    if a.source == "logits" and _g_in_place(a.source, terms, x, v):  # one piece
+    if _g_in_place(a.source, terms, x, v):  # the kept logits, one piece
         return products(v, lambda *_: _rows_g(a, x, terms.logits, 0, out.g_out))
     if a.source == "recompute" and _gemm_with_fp32_output(x):
         # Column chunks of the products by a GEMM with fp32 output, G over each.

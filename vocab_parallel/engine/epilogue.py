@@ -85,6 +85,13 @@ class HeadChunks:
         outs = [None] * len(self.heads) if self.kept is None else self._kept(v0, v1)
         return [m(v0, v1, o) for m, o in zip(self._make, outs, strict=True)]
 
+    def whole(self) -> list[torch.Tensor]:
+        """Every head's logits of all ``v`` columns at once (a fused epilogue's blocks):
+        the kept blocks, filled by one GEMM per head the first time."""
+        zs = self.chunk(0, self.v)
+        self.filled = self.kept is not None
+        return zs
+
     def walk_rows(self, rows: torch.Tensor) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
         """``(v0, v1, logits)`` of the token ``rows`` alone, cut from the whole chunks: the
         same values, bit for bit, as every other walk gives them (a GEMM of other rows

@@ -24,7 +24,7 @@ accumulated gradients already handed out: the objective recomputes them (``hand_
 ``recompute``); a kept G is still there and makes them again.
 
 Token chunks are sized from quantities every rank of the group shares (tokens, global
-vocabulary, world size: an even share of the vocabulary per rank;
+vocabulary, world size, hidden size, dtype: an even share of the vocabulary per rank;
 ``vocab_parallel.engine.memory_policy.token_rows``), so every rank issues the same
 collectives in the same order; a rank with a much larger shard than the even share holds
 a proportionally larger chunk.
@@ -178,8 +178,6 @@ class KeptG:
         """Every gradient divided by ``denominator`` (a 0-d tensor), when it is made."""
         self.denominator = denominator
 
-    spent = False  # G stays: a second backward makes the products again
-
     def hand_out(self, grad_loss, dtypes, need, g: torch.Tensor) -> tuple:
         x, w = self.hidden, self.weight
         dtype = x.dtype
@@ -192,7 +190,7 @@ class KeptG:
         bt, h = x.shape
         v = w.shape[0]
         cv = memory.columns(1, v, x.device.type, "logits", h=h)  # fp32 [cv, H] rows
-        kept = self._kept(g, want)  # per vocabulary chunk: its kept columns (None: all)
+        kept = self._kept(g, want, cv)  # per vocabulary chunk: its kept columns (None: all)
         grad_input = wait = None
         if want[0] and (kept is None or not self.filter.input):
             # one GEMM; its all-reduce overlaps grad_weight's GEMMs
@@ -229,12 +227,12 @@ class KeptG:
             grad_input = _times(wait(), scale, dtype)
         return grad_input, grad_weight, grad_bias
 
-    def _kept(self, g: torch.Tensor, want) -> list[torch.Tensor] | None:
-        """The columns a filtered product keeps, per vocabulary chunk (indices within
-        it), or None when the call filters nothing or nothing can be left out: a column
-        is left out of every token's products where each token's entry is negligible
-        (``vocab_parallel.engine.filtering``; on GPUs a tile is the column over all the
-        tokens). Two host syncs: whether anything is left out, and the chunks' counts."""
+    def _kept(self, g: torch.Tensor, want, cv: int) -> list[torch.Tensor] | None:
+        """The columns a filtered product keeps, per vocabulary chunk of ``cv`` columns
+        (indices within it), or None when the call filters nothing or nothing can be left
+        out: a column is left out of every token's products where each token's entry is
+        negligible (``vocab_parallel.engine.filtering``; on GPUs a tile is the column over
+        all the tokens). Two host syncs: whether anything is left out, and the chunks' counts."""
         f = self.filter
         if f is None or not ((want[0] and f.input) or (want[1] and f.weight)):
             return None
@@ -244,7 +242,6 @@ class KeptG:
         if bool(cols.all()):
             return None
         v = g.shape[1]
-        cv = memory.columns(1, v, g.device.type, "logits", h=self.hidden.shape[1])
         idx = cols.nonzero()[:, 0]
         starts = torch.arange(0, v + cv, cv, device=idx.device)[: -(-v // cv) + 1]
         counts = torch.searchsorted(idx, starts).diff().tolist()
@@ -290,7 +287,7 @@ def hand_out(ctx, grad_loss, recompute: Callable) -> tuple:
     def compute(need):
         if isinstance(ctx.grads, KeptG):  # (saved_tensors raises once the graph is freed)
             return ctx.grads.hand_out(grad_loss, ctx.dtypes, need, ctx.saved_tensors[-1])
-        if ctx.grads is None or ctx.grads.spent:
+        if ctx.grads.spent:
             return recompute(ctx, grad_loss, need)
         return ctx.grads.hand_out(grad_loss, ctx.dtypes, need)
 

@@ -99,8 +99,7 @@ class Divergence(Epilogue):
             return super().local_of(chunks)
         self.dtype = chunks.heads[0][0].dtype  # G's: the student's inputs
         self.kernels = chunks.backend.epilogues
-        s, t = chunks.chunk(0, chunks.v)  # each head's logits by one GEMM, kept
-        chunks.filled = True
+        s, t = chunks.whole()  # each head's logits by one GEMM, kept
         div = self.spec.divergence
         m_s, s_s, a_s, m_t, s_t, a_t = self.kernels.divergence_stats(div, s, t, self.inv_t)
         stu = Online.of(m_s, s_s, *([a_s] if div == "reverse_kl" else []))
@@ -110,7 +109,7 @@ class Divergence(Epilogue):
     def second_of(self, chunks, terms):
         if not (self.fused and self.spec.divergence == "jsd"):
             return super().second_of(chunks, terms)
-        s, t = chunks.chunk(0, chunks.v)
+        s, t = chunks.whole()
         return self.kernels.divergence_second(s, t, self.inv_t, terms.ls, terms.lt, self.spec.beta)
 
     def gradient_width(self, chunks) -> int:

@@ -25,7 +25,7 @@ MODELS = [(r, True) for r in model.ROWS] + [(r, False) for r in model.ROWS if r.
 def test_each_gemm_covers_the_head_once_and_memory_is_bounded(row, fused):
     """The modelled GEMMs are those of the code's structure: each over the whole head
     once (no chunk counted twice or left out), whatever the chunking; the extra memory
-    is positive and below 4 GiB."""
+    is positive and below 4.5 GiB."""
     shape = (row.tokens, row.hidden, row.vocab)
     parts, extra, chunking = model.plan_parts(row.plan, *shape, fused, row.kept)
     one = 2.0 * row.tokens * row.hidden * row.vocab  # one GEMM over the whole head
@@ -36,16 +36,20 @@ def test_each_gemm_covers_the_head_once_and_memory_is_bounded(row, fused):
     assert sum(p.flops for p in gemms) == pytest.approx(expected, rel=1e-9)
     assert len(gemms) == {"ce_ms": 4, "stats": 4, "stats_replay": 4, "kd_columns": 6,
                           "kd": 4, "kd_jsd": 4}.get(row.plan, 3)  # fmt: skip
-    assert 0 < extra < 4 * (1 << 30)
+    assert 0 < extra < 4.5 * (1 << 30)
 
 
-def test_the_headline_keeps_g_and_gemma_accumulates():
-    """The memory policy's choice, as the model sees it: G kept at the Llama-3 head (no
-    fp32 accumulator traffic), accumulated at the Gemma-like head (G would be larger)."""
+def test_the_policy_keeps_g_where_it_is_at_most_twice_the_accumulators():
+    """The memory policy's choice, as the model sees it: G kept at the Llama-3 head and
+    the Gemma-like head (no fp32 accumulator traffic), accumulated where G would be over
+    twice the accumulators (the Llama-3 head at 32768 tokens)."""
     _, extra, chunking = model.plan_parts("ce_gif", 8192, 4096, 128256)
     assert chunking == "4 token chunks of 2048 rows, G kept"
     assert extra / (1 << 20) <= 2560
     parts, _, chunking = model.plan_parts("ce_gif", 8192, 2304, 256000)
+    assert chunking.endswith("G kept")
+    assert not any("accumulator" in p.name for p in parts)
+    parts, _, chunking = model.plan_parts("ce_gif", 32768, 4096, 128256)
     assert chunking.endswith("G accumulated")
     assert any("accumulator" in p.name for p in parts)
 

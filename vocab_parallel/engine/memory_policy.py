@@ -19,10 +19,11 @@ Nothing in the library is ``[tokens, V_local]`` unless a mode promises it
                    sized from what every rank shares (tokens, global vocabulary, world
                    size, hidden size, dtype), so every rank issues the same collectives
     kept G         on GPUs, half inputs: grad_in_forward keeps G (``[tokens, V_local]``,
-                   the inputs' dtype) for the backward's GEMMs where it is no larger than
+                   the inputs' dtype) for the backward's GEMMs where it is at most twice
                    the fp32 accumulators it replaces (:func:`keeps_g`; the Llama-3 head
-                   at 8192 tokens: 2004 MiB against 2132 MiB), else the products are
-                   added into fp32 accumulators chunk by chunk
+                   at 8192 tokens: 2004 MiB against 2132 MiB; the Gemma-like head: 4000
+                   against 2322), else the products are added into fp32 accumulators
+                   chunk by chunk
     columns        a pass over vocabulary columns of ``rows`` tokens takes a SHARE of W:
                    its ``[rows, cols]`` block (and the fp32 ``[cols, H]`` product of
                    grad_weight's rows) fits ``SHARES[what] * W``; a multiple of 128 (whole
@@ -52,6 +53,9 @@ DEFAULT_WORKSPACE_BYTES = 512 * MiB
 MAX_ROWS = {"cpu": 512}
 # The share of the workspace each column pass takes (the module docstring).
 SHARES = {"logits": 1 / 2, "topk": 1 / 2, "epilogue": 1 / 16}
+# A kept G may take this many times the bytes of the fp32 accumulators it replaces
+# (:func:`keeps_g`): at most their bytes more than the accumulated plan.
+KEPT_G_RATIO = 2
 COLUMN_MULTIPLE = 128
 
 
@@ -101,17 +105,21 @@ def keeps_g(
     """Whether grad_in_forward keeps ``G`` (``[tokens, V_local]`` in the inputs' dtype)
     for the backward's two GEMMs instead of adding each token chunk's products into fp32
     accumulators in the forward: on GPUs (every device type but the CPU), with half
-    inputs, where ``G`` takes no more bytes than the fp32 ``[V_local, H]`` and
-    ``[tokens, H]`` accumulators it replaces, or than the workspace (a larger
-    ``WORKSPACE_BYTES[device type]`` buys it where ``G`` is larger: the Gemma-like head's
-    4000 MiB against 2322 MiB of accumulators). Each later chunk's accumulating GEMM reads
-    and writes the whole fp32 ``grad_weight`` (2 GiB at the Llama-3 head: 0.8 ms a chunk
-    on an H200, the first GPU run measured); the GEMMs of the whole ``G`` run once, at the
-    floor. Sized from what every rank shares (an even share of the vocabulary)."""
+    inputs, where ``G`` takes at most :data:`KEPT_G_RATIO` times the bytes of the fp32
+    ``[V_local, H]`` and ``[tokens, H]`` accumulators it replaces (so it costs at most the
+    accumulators' bytes more than accumulating), or no more than the workspace. Each
+    later chunk's accumulating GEMM reads and writes the whole fp32 ``grad_weight`` (2 GiB
+    at the Llama-3 head: 0.8 ms a chunk on an H200, the first GPU run measured; 8 ms a call
+    at the Gemma-like head, 20% of its GEMMs); the GEMMs of the whole ``G`` run once, at
+    the floor. The Llama-3 head at 8192 tokens: G 2004 MiB against 2132 MiB of
+    accumulators; the Gemma-like head (8192 x 2304 x 256000): 4000 MiB against 2322 MiB,
+    1678 MiB more for 8 ms less. Sized from what every rank shares (an even share of the
+    vocabulary)."""
     if device_type == "cpu" or itemsize >= 4:
         return False
     share = max(1, -(-global_size // max(1, world)))
-    room = max(4 * (share + tokens) * hidden, workspace_bytes(device_type))
+    accumulators = 4 * (share + tokens) * hidden
+    room = max(KEPT_G_RATIO * accumulators, workspace_bytes(device_type))
     return itemsize * tokens * share <= room
 
 

@@ -182,10 +182,7 @@ def token_chunked(
             Part("epilogue: statistics (one pass)", 0, chunks * passes * heads * logits, chunks),
             Part("epilogue: G over the logits (one pass)", 0, chunks * (heads * logits + 2 * r * v),
                  chunks),
-        ]  # fmt: skip
-        if heads == 2 and keeps_g(n, v, h):  # the engine copies the epilogue's G in
-            parts.append(Part("G copied into the kept G (one pass)", 0, chunks * 4.0 * r * v,
-                              chunks))  # fmt: skip
+        ]  # fmt: skip (the epilogue writes G into the kept G itself: no copy)
     else:
         width = column_width(rows, v, h, "epilogue")
         col_chunks = chunks * -(-v // width)

@@ -374,6 +374,30 @@ def test_triton_fused_epilogue(case, fused_launches, monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("case", [EPILOGUE[2], EPILOGUE[4]], ids=str)
+def test_fused_g_is_written_into_the_kept_g(case, monkeypatch):
+    """With a kept G (the GPU plan, forced on here), the fused G kernel writes each
+    chunk's G into the kept G's rows itself: nothing to copy, and the results hold."""
+    from vocab_parallel.backends import triton_epilogues
+    from vocab_parallel.engine import memory_policy as memory
+
+    monkeypatch.setattr(memory, "keeps_g", lambda *args: True)
+    for device_type in {"cpu", device_for("triton").type}:
+        monkeypatch.setitem(memory.WORKSPACE_BYTES, device_type, 5 * 8 * case.vocab)
+    written = []
+    original = triton_epilogues.divergence_grad
+
+    def spy(*args, out=None, **kwargs):
+        g = original(*args, out=out, **kwargs)
+        written.append(out is not None and g.data_ptr() == out.data_ptr())
+        return g
+
+    monkeypatch.setattr(triton_epilogues, "divergence_grad", spy)
+    assert check(case) == []
+    assert written and all(written), written
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
 def test_fused_epilogue_with_masked_columns_equals_the_torch_epilogue(divergence, fused_launches):
     """-inf logits (a masking bias on both heads, a column only one head masks) add

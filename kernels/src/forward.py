@@ -17,8 +17,8 @@ GEMM's of the launcher's (cuBLAS with fp32 output, into the logits buffer: the f
 run measured the tile GEMM here at half its rate), and the kernel is the epilogue alone:
 it reads ``x @ W.T`` from the buffer, adds the bias, caps and tempers, writes ``z`` back
 in place and keeps the same statistics. The vocabulary is cut into a fixed number of
-splits that run in parallel; each writes its partial statistics and the launcher
-(``vocab_parallel.backends.triton_backend.forward_stats``) merges them in a fixed order
+splits that run in parallel; each writes its partial statistics and
+``stats_merge_kernel`` (one launch, or none for one split) merges them in a fixed order
 (deterministic, and bounded memory: ``[splits, BT]``, independent of V). Cross-rank
 reduction belongs to the caller. Row and column indices are int64 (``common``): the
 stored logits pass 2^31 elements at scale.
@@ -159,6 +159,62 @@ def forward_stats_kernel(
         tl.store(exp2_ptr + out, exp2, mask=row_ok)
 
 
+@triton.jit
+def stats_merge_kernel(
+    part_ptr,  # [K, S, BT] fp32 partials of forward_stats_kernel's S splits (K = 4, or 6
+    #            with EXTRA_STATS): max, sum, pred, lsum[, shifted, exp2], in that order
+    out_ptr,  # [K, BT] fp32 out: the row's statistics, its sums at the row's max
+    BT,  # rows
+    S,  # splits (>= 1)
+    EXTRA_STATS: tl.constexpr,  # merge the shifted and squared sums too
+    BLOCK: tl.constexpr,  # rows per program
+):
+    """The launcher's merge of the splits' partials, one launch: the row's max over the
+    splits, each split's sums moved to it (``LocalStats.rescaled_extras``: a split's
+    maximum is finite, never -inf, so ``d`` is finite), added in split order: bitwise
+    deterministic."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < BT
+    plane = S.to(tl.int64) * BT  # one statistic's [S, BT]
+    row_max = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for s in range(0, S):
+        off = s * BT + rows  # (s: int32, BT: int32, rows int64: the sum is int64)
+        row_max = tl.maximum(row_max, tl.load(part_ptr + off, mask=ok, other=0.0))
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    pred = tl.zeros((BLOCK,), dtype=tl.float32)
+    lsum = tl.zeros((BLOCK,), dtype=tl.float32)
+    shifted = tl.zeros((BLOCK,), dtype=tl.float32)
+    exp2 = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, S):
+        off = s * BT + rows
+        d = tl.load(part_ptr + off, mask=ok, other=0.0) - row_max  # <= 0
+        decay = tl.exp(d)
+        split_sum = tl.load(part_ptr + plane + off, mask=ok, other=0.0)
+        total += split_sum * decay
+        pred += tl.load(part_ptr + 2 * plane + off, mask=ok, other=0.0)
+        lsum += tl.load(part_ptr + 3 * plane + off, mask=ok, other=0.0)
+        if EXTRA_STATS:
+            sh = tl.load(part_ptr + 4 * plane + off, mask=ok, other=0.0)
+            e2 = tl.load(part_ptr + 5 * plane + off, mask=ok, other=0.0)
+            shifted += tl.where(split_sum > 0.0, sh + d * split_sum, 0.0) * decay
+            exp2 += e2 * (decay * decay)
+    tl.store(out_ptr + rows, row_max, mask=ok)
+    tl.store(out_ptr + BT + rows, total, mask=ok)
+    tl.store(out_ptr + 2 * BT + rows, pred, mask=ok)
+    tl.store(out_ptr + 3 * BT + rows, lsum, mask=ok)
+    if EXTRA_STATS:
+        tl.store(out_ptr + 4 * BT + rows, shifted, mask=ok)
+        tl.store(out_ptr + 5 * BT + rows, exp2, mask=ok)
+
+
+MERGE_BLOCK = 512  # rows per program of stats_merge_kernel (4 warps)
+
+
+def merge_meta(extra_stats: bool) -> dict:
+    """Constexprs and launch options of a :func:`stats_merge_kernel` launch."""
+    return dict(EXTRA_STATS=extra_stats, BLOCK=MERGE_BLOCK, num_warps=4, num_stages=1)
+
+
 def epilogue_tile(tile: TileConfig) -> TileConfig:
     """The tile of a ``FROM_LOGITS`` launch: half the columns of the products' tile. No
     products, but the tile's int64 addresses are live from its load to its store: at the
@@ -220,4 +276,6 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
                 kw = meta(dtype, store, logit_sum, has_bias, softcap, scaled, tile, extra,
                           from_logits)  # fmt: skip
                 variants.append((forward_stats_kernel, dtype, kw))
+    for extra in (False, True):  # the splits' merge reads fp32 partials: listed once
+        variants.append((stats_merge_kernel, torch.float32, merge_meta(extra)))
     return variants

@@ -71,6 +71,12 @@ def num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
     return max(1, min(n_tiles, triton.cdiv(programs, n_row_blocks)))
 
 
+@functools.cache
+def _one(device: torch.device) -> torch.Tensor:
+    """A read-only fp32 ``[1]`` tensor of 1.0 on ``device``, made once (no launch a call)."""
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
 def full_vector(t: torch.Tensor | float | None, n: int, device) -> torch.Tensor:
     """An fp32 contiguous ``[n]`` vector for a kernel: ``t`` (``n`` values, or one value
     broadcast), or ones for None."""
@@ -150,26 +156,40 @@ def forward_stats(
         cv = memory.columns(bt, v, x.device.type, "logits")
         buf = torch.empty(bt * cv, **f32)
         parts = []
-        for v0 in range(0, v, cv):
+        # each chunk's targets (off the chunk: never a column of it), in one launch
+        targets = target[None, :]
+        if v > cv:
+            targets = targets - torch.arange(0, v, cv, device=target.device)[:, None]
+        for i, v0 in enumerate(range(0, v, cv)):
             v1 = min(v, v0 + cv)
             z = buf[: bt * (v1 - v0)].view(bt, v1 - v0)  # contiguous: the GEMM writes it
             precision.mm_fp32(x, weight[v0:v1].t(), out=z)
             chunk = replace(logits, bias=None if logits.bias is None else logits.bias[v0:v1])
-            t_c = target if v0 == 0 else target - v0  # off the chunk: never a column of it
+            t_c = targets[i]
             cw_c = None if cw is None else cw[v0:v1]
             # z written back only with the extra sums: that variant of the kernel is the
             # one that fits every target's registers (scripts/aot_compile.py)
             w_c = weight[v0:v1]
             parts.append(_stats_partials(x, w_c, t_c, chunk, cw_c, z, True, extra_stats, *args))
         part = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    p_max, p_sum, p_pred, p_lsum = part[:4]
-    row_max = p_max.max(dim=0).values
-    row_sum = (p_sum * torch.exp(p_max - row_max)).sum(dim=0)  # p_max is finite: no NaN
-    extras = []
-    if extra_stats:  # each split's sums moved to the row max, added in split order
-        splits_stats = LocalStats(p_max, p_sum, p_pred, p_lsum, part[4], part[5])
-        extras = [t.sum(dim=0) for t in splits_stats.rescaled_extras(row_max[None, :])]
-    return LocalStats(row_max, row_sum, p_pred.sum(dim=0), p_lsum.sum(dim=0), *extras)
+    return LocalStats(*merge_splits(part, extra_stats))
+
+
+def merge_splits(part: torch.Tensor, extra_stats: bool) -> torch.Tensor:
+    """The statistics ``[K, BT]`` of the splits' partials ``[K, S, BT]`` (fp32, K = 4 or 6
+    with ``extra_stats``): each row's max over the splits, the sums moved to it and added
+    in split order (``forward.stats_merge_kernel``, one launch); one split's are its own
+    (views, no launch)."""
+    k, splits, bt = part.shape
+    if splits == 1:
+        return part[:, 0]
+    part = part.contiguous()
+    out = torch.empty((k, bt), dtype=torch.float32, device=part.device)
+    if bt:
+        meta = forward.merge_meta(extra_stats)
+        grid = (triton.cdiv(bt, meta["BLOCK"]),)
+        forward.stats_merge_kernel[grid](part, out, bt, splits, **meta)
+    return out
 
 
 def _stats_partials(
@@ -313,7 +333,7 @@ def _g_args(x, weight, local_target, logits: Logits, terms: GradTerms) -> _GArgs
     has_bias = logits.bias is not None and source == "recompute"
     prob_scale = terms.prob_scale
     if prob_scale is None:  # one factor 1.0 for every row
-        prob_scale = torch.ones(1, dtype=torch.float32, device=x.device)
+        prob_scale = _one(x.device)
     prob_scale = prob_scale.to(torch.float32).contiguous()
     hot = inv_t = cw = dummy  # the SCALED variant's vectors, in full
     if scaled:

@@ -63,13 +63,18 @@ def divergence_second(s, t, inv_t, ls: torch.Tensor, lt: torch.Tensor, beta: flo
 
 
 def divergence_grad(
-    kind: str, s, t, inv_t, ls, lt, coef, c: torch.Tensor, beta: float, dtype: torch.dtype
+    kind: str, s, t, inv_t, ls, lt, coef, c: torch.Tensor, beta: float, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``G`` ``[N, V]`` in ``dtype``: ``c`` (per row: the upstream gradient times the
-    inverse temperature, 0 where ignored) times ``dD/du`` (the kernel module's table)."""
+    inverse temperature, 0 where ignored) times ``dD/du`` (the kernel module's table);
+    into ``out`` where given and usable (``[N, V]``, ``dtype``, unit column stride),
+    else a new tensor."""
     _check(s, t)
     n, v = s.shape
-    g = torch.empty((n, v), dtype=dtype, device=s.device)
+    usable = out is not None and out.shape == (n, v) and out.dtype == dtype
+    usable = usable and out.device == s.device and (v <= 1 or out.stride(1) == 1)
+    g = out if usable else torch.empty((n, v), dtype=dtype, device=s.device)
     if n and v:
         f = lambda x: x.float().contiguous()  # noqa: E731
         c = f(c)

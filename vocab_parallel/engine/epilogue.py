@@ -37,7 +37,7 @@ from vocab_parallel.backends.interface import Logits
 from vocab_parallel.backends.registry import get_backend
 from vocab_parallel.engine import memory_policy as memory
 from vocab_parallel.engine.online import Online
-from vocab_parallel.parallel.collectives import all_reduce
+from vocab_parallel.parallel.collectives import all_reduce, world_size
 
 Operands = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # x, weight, bias
 
@@ -192,13 +192,25 @@ class Epilogue:
         only."""
         raise NotImplementedError
 
+    def gradient_into(self, terms, v0: int, v1: int, logits, grad, out: torch.Tensor):
+        """:meth:`gradient`, where the engine keeps ``G``: ``out`` is the kept G's columns
+        ``[v0, v1)`` (the inputs' dtype). An epilogue that can write ``G`` there returns
+        ``out`` (no copy); by default :meth:`gradient`'s result, which the engine copies."""
+        return self.gradient(terms, v0, v1, logits, grad)
+
 
 def statistics(ep: Epilogue, chunks: HeadChunks, group):
     """The epilogue's terms: its first walk, the MAX and the SUM all-reduce of its
     statistics, and its second walk with one more SUM where it has one."""
     local = ep.local_of(chunks)
-    maxima = all_reduce(torch.stack([o.m for o in local.online]), "MAX", group, "logits maxima")
-    rows = [r[None] for o, m in zip(local.online, maxima, strict=True) for r in o.rescaled(m)]
+    maxima = torch.stack([o.m for o in local.online])
+    if world_size(group) == 1:
+        # Alone, the maxima are this rank's own (finite: Online starts at the smallest
+        # finite value): the sums moved to them are unchanged (e^0 = 1), no pass moves them.
+        rows = [r[None] for o in local.online for r in (o.s, *o.extra)]
+    else:
+        maxima = all_reduce(maxima, "MAX", group, "logits maxima")
+        rows = [r[None] for o, m in zip(local.online, maxima, strict=True) for r in o.rescaled(m)]
     rows += [r[None] for r in local.rows]
     if local.wide is not None:
         rows.append(local.wide.t())

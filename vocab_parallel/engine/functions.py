@@ -47,7 +47,11 @@ def _products(ep: Epilogue, terms, chunks: HeadChunks, hidden, weight, bias, gra
 
     def make_g(v0, v1, x_op, w_op):
         logits = chunks.chunk(v0, v1)
-        return chunks.logits.through_cap(ep.gradient(terms, v0, v1, logits, grad), logits[0])
+        if out.g_out is None:
+            g = ep.gradient(terms, v0, v1, logits, grad)
+        else:  # the epilogue may write G into the kept G's columns
+            g = ep.gradient_into(terms, v0, v1, logits, grad, out.g_out[:, v0:v1])
+        return chunks.logits.through_cap(g, logits[0])
 
     bias_dtype = hidden.dtype if bias is None else bias.dtype
     with precision.cpu_bf16_math(hidden.dtype, hidden.device.type):

@@ -33,7 +33,7 @@ import torch
 from vocab_parallel.backends.interface import GradTerms, LocalStats
 from vocab_parallel.backends.registry import get_backend
 from vocab_parallel.engine.objective import Call
-from vocab_parallel.parallel.collectives import all_reduce
+from vocab_parallel.parallel.collectives import all_reduce, world_size
 from vocab_parallel.parallel.layout import ShardLayout
 
 
@@ -89,28 +89,40 @@ def reduce_statistics(stats: LocalStats, local_target: torch.Tensor, call: Call)
     eps, vg = opts.label_smoothing, call.layout.global_size
     m, s, p, a = stats[:4]
     group = call.process_group
-    logits_max = all_reduce(m.clone(), "MAX", group, "logits_max")
-    shift = torch.where(logits_max == float("-inf"), 0.0, logits_max)  # a row of -inf only
-    extras = stats.rescaled_extras(shift)  # ride along in the one SUM all-reduce
-    rows = [s * torch.exp(m - shift), p, a, *extras]
+    extras = [] if stats.shifted_sum is None else [stats.shifted_sum, stats.exp2_sum]
+    picked = None
     if cw is not None:
         here = local_target >= 0
-        picked = cw.to(s.dtype)[local_target.clamp(min=0)]
-        rows.append(torch.where(here, picked, 0.0))
-    sums = torch.stack(rows)
-    if cw is not None:  # the global sum of the class weights rides along: one more column
-        total = cw.to(s.dtype).sum().expand(sums.shape[0], 1)
-        sums = torch.cat([sums, total], dim=1)
-    all_reduce(sums, "SUM", group, "sum_exp_logits and predicted logits")
-    weight_sum = None
-    if cw is not None:
-        weight_sum, sums = sums[0, -1], sums[:, :-1]
-    sum_exp, predicted, logit_sum = sums[0], sums[1], sums[2]
+        picked = torch.where(here, cw.to(s.dtype)[local_target.clamp(min=0)], 0.0)
+    if world_size(group) == 1:
+        # Alone, this rank's statistics are the group's: moved to their own max they are
+        # unchanged (e^0 = 1; a shard of no columns has zero sums), so no pass moves them.
+        logits_max, sum_exp, predicted, logit_sum = m, s, p, a
+        target_weight = picked
+        weight_sum = None if cw is None else cw.to(s.dtype).sum()
+    else:
+        logits_max = all_reduce(m.clone(), "MAX", group, "logits_max")
+        # a row of -inf only (no columns anywhere) shifts by 0: e^(-inf) = 0, never NaN
+        shift = torch.nan_to_num(logits_max, nan=float("nan"), posinf=float("inf"), neginf=0.0)
+        extras = stats.rescaled_extras(shift)  # ride along in the one SUM all-reduce
+        rows = [s * torch.exp(m - shift), p, a, *extras]
+        if cw is not None:
+            rows.append(picked)
+        sums = torch.stack(rows)
+        if cw is not None:  # the global sum of the class weights rides along: one more column
+            total = cw.to(s.dtype).sum().expand(sums.shape[0], 1)
+            sums = torch.cat([sums, total], dim=1)
+        all_reduce(sums, "SUM", group, "sum_exp_logits and predicted logits")
+        weight_sum = None
+        if cw is not None:
+            weight_sum, sums = sums[0, -1], sums[:, :-1]
+        sum_exp, predicted, logit_sum = sums[0], sums[1], sums[2]
+        target_weight = sums[3 + len(extras)] if cw is not None else None
+        extras = list(sums[3 : 3 + len(extras)])
     lse = torch.log(sum_exp) + logits_max
-    target_weight = sums[3 + len(extras)] if cw is not None else None
-    shifted_sum, exp2_sum = (sums[3], sums[4]) if extras else (None, None)
+    shifted_sum, exp2_sum = extras if extras else (None, None)
     if cw is None:
-        loss = lse - (1.0 - eps) * predicted
+        loss = lse - predicted if not eps else lse - (1.0 - eps) * predicted
         if eps:
             loss = loss - eps * logit_sum / vg
     else:

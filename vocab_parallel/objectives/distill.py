@@ -208,18 +208,28 @@ class Divergence(Epilogue):
         a = self.spec.hard_label_weight
         return terms.d if a == 0.0 else (1.0 - a) * terms.d + a * terms.ce
 
+    def gradient_into(self, terms: Terms, v0, v1, logits, grad, out):
+        if self.fused:  # the kernel writes the kept G's columns
+            return self._fused_gradient(terms, logits, grad, out)
+        return self.gradient(terms, v0, v1, logits, grad)
+
+    def _fused_gradient(self, terms: Terms, logits, grad, out=None):
+        """The whole block's ``G`` by one kernel (no hard-label term, no cap), into ``out``
+        where given."""
+        c = grad if self.inv_t is None else grad * self.inv_t
+        beta = self.spec.beta if self.spec.divergence == "jsd" else 0.5
+        return self.kernels.divergence_grad(
+            self.spec.divergence, logits[0], logits[1], self.inv_t, terms.ls, terms.lt,
+            terms.coef, c, beta, self.dtype, out=out,
+        )  # fmt: skip
+
     def gradient(self, terms: Terms, v0, v1, logits, grad):
         """``G = (1 - a) g / T dD/du + a g (p1 - onehot)``: ``dD/du``
         forward KL ``p_s - p_t``; reverse KL ``p_s (u - v + coef)``; JSD ``(1 - beta) p_s
         (log p_s - log m - coef)``; top-k ``p_s - q`` at the ids, ``p_s - e^(log p_s +
         coef)`` off them; ``p1 = softmax(z)`` (``p_s`` without a temperature)."""
         if self.fused:  # the whole block: one kernel (no hard-label term, no cap)
-            c = grad if self.inv_t is None else grad * self.inv_t
-            beta = self.spec.beta if self.spec.divergence == "jsd" else 0.5
-            return self.kernels.divergence_grad(
-                self.spec.divergence, logits[0], logits[1], self.inv_t, terms.ls, terms.lt,
-                terms.coef, c, beta, self.dtype,
-            )  # fmt: skip
+            return self._fused_gradient(terms, logits, grad)
         spec, z = self.spec, logits[0]
         a, u = spec.hard_label_weight, self._tempered(z)
         c_d = (grad * (1.0 - a) if self.inv_t is None else grad * (1.0 - a) * self.inv_t)[:, None]

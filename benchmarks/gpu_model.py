@@ -177,12 +177,12 @@ def token_chunked(
         _gemm(f"logits GEMM, head {i} (fp32 out)", r, v, h, chunks, logits) for i in range(heads)
     ]
     temps = 0.0
-    if fused:
+    if fused:  # (the epilogue writes G into a kept G itself: no copy)
         parts += [
             Part("epilogue: statistics (one pass)", 0, chunks * passes * heads * logits, chunks),
             Part("epilogue: G over the logits (one pass)", 0, chunks * (heads * logits + 2 * r * v),
                  chunks),
-        ]  # fmt: skip (the epilogue writes G into the kept G itself: no copy)
+        ]  # fmt: skip
     else:
         width = column_width(rows, v, h, "epilogue")
         col_chunks = chunks * -(-v // width)

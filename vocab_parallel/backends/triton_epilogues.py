@@ -65,7 +65,7 @@ def divergence_second(s, t, inv_t, ls: torch.Tensor, lt: torch.Tensor, beta: flo
 def divergence_grad(
     kind: str, s, t, inv_t, ls, lt, coef, c: torch.Tensor, beta: float, dtype: torch.dtype,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """``G`` ``[N, V]`` in ``dtype``: ``c`` (per row: the upstream gradient times the
     inverse temperature, 0 where ignored) times ``dD/du`` (the kernel module's table);
     into ``out`` where given and usable (``[N, V]``, ``dtype``, unit column stride),

@@ -8,7 +8,8 @@ is asserted:
 - no host sync anywhere in the call (the checks of a GPU call are device asserts; the
   online sums test nothing on the host);
 - at most the launches the code issues today (``CEILINGS``: a change that adds launches
-  fails here and has to say so), and the launches per token chunk of the chunk loops.
+  fails here and has to say so), and the launches per token chunk of the chunk loops
+  (the call at twice the tokens less the call: cross entropy 4 a chunk, the goal met).
 
 The plan's goal (``docs/design.md``, "The engine": at most 6 launches per token chunk and
 64 per call) is what ``GOAL`` states; the rows that meet it are asserted to keep meeting
@@ -33,7 +34,7 @@ STATS = dict(tokens=4096, hidden=4096, vocab=128256)
 GOAL = dict(per_chunk=6, per_call=64)
 # Launches per call today (forward + backward), the ceilings of this test.
 CEILINGS = {
-    "cross entropy, auto (grad_in_forward)": 87,
+    "cross entropy, auto (grad_in_forward)": 77,
     "cross entropy, memory_saving": 152,
     "cross entropy, high_performance": 73,
     "token statistics (log-probs + entropy)": 103,
@@ -48,9 +49,9 @@ def _inputs(tokens, hidden, vocab, grad=True):
     return x, w, torch.zeros(tokens, dtype=torch.int64, device="meta")
 
 
-def _ce(mode):
+def _ce(mode, shape=CE):
     def call():
-        x, w, y = _inputs(**CE)
+        x, w, y = _inputs(**shape)
         vp.vocab_parallel_linear_cross_entropy(x, w, y, mode=mode, backend="triton").backward()
 
     return call
@@ -62,10 +63,10 @@ def _stats():
     (s.logprobs.sum() + s.entropy.sum()).backward()
 
 
-def _distill(divergence):
+def _distill(divergence, shape=STATS):
     def call():
-        x, w, _ = _inputs(**STATS)
-        xt, wt, _ = _inputs(**STATS, grad=False)
+        x, w, _ = _inputs(**shape)
+        xt, wt, _ = _inputs(**shape, grad=False)
         vp.vocab_parallel_distillation_loss(
             x, w, teacher_hidden=xt, teacher_weight=wt, divergence=divergence,
             backend="triton",
@@ -121,6 +122,36 @@ def test_launches_and_syncs_of_one_call(name):
             assert gemms == chunks + 1 + -(-shape["vocab"] // 16384)
         if CEILINGS[name] <= GOAL["per_call"]:
             assert counts.launches / chunks <= GOAL["per_chunk"]
+
+
+@pytest.mark.parametrize(
+    ("make", "shape", "heads"),
+    [(lambda s: _ce("auto", s), CE, 1), (lambda s: _distill("forward_kl", s), STATS, 2),
+     (lambda s: _distill("jsd", s), STATS, 2)],
+    ids=["cross_entropy", "forward_kl", "jsd"],
+)  # fmt: skip
+def test_launches_per_token_chunk(make, shape, heads):
+    """What each token chunk adds: the call at twice the tokens (twice the chunks, the
+    same vocabulary chunks) less the call, per added chunk. Cross entropy: the logits
+    GEMM, the statistics kernel, the merge of its splits and the G kernel (the loss
+    formula runs once a call); distillation: both heads' GEMMs and the fused epilogue's
+    kernels plus its formulas on [rows] vectors."""
+
+    def chunks(tokens):
+        rows = memory.token_rows(tokens, shape["vocab"], 1, "meta", heads, shape["hidden"], 2)
+        return -(-tokens // rows)
+
+    twice = dict(shape, tokens=2 * shape["tokens"])
+    assert memory.keeps_g(twice["tokens"], shape["vocab"], 1, shape["hidden"], 2, "cuda")
+    added = chunks(twice["tokens"]) - chunks(shape["tokens"])
+    assert added > 0
+    count_call(make(shape))  # once made, a constant is not made again (the G's 1.0)
+    per_chunk = (count_call(make(twice)).launches - count_call(make(shape)).launches) / added
+    if heads == 1:
+        assert per_chunk == 4 <= GOAL["per_chunk"]
+    else:  # not yet the goal: the divergence's formulas are torch ops on [rows] vectors
+        assert per_chunk <= 16, per_chunk
+    print(f"{per_chunk:g} launches per token chunk")
 
 
 def test_the_counter_sees_launches_and_syncs():

@@ -26,7 +26,7 @@ the softcap.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,16 +44,20 @@ class RowStats:
     ``weight_sum``: ``W``, a 0-d tensor (None without class weights). ``shifted_sum``
     and ``exp2_sum``: the global ``sum_j exp(z_j - M) (z_j - M)`` and ``sum_j exp(2 (z_j -
     M))`` (``M`` = ``logits_max``), when the local statistics carry them (token
-    statistics), else None."""
+    statistics), else None. ``predicted``, ``logit_sum``: the global target logit and
+    (class-weighted) logit sum the loss is made of. ``loss`` and ``lse`` are None until
+    :func:`with_losses` makes them (``reduce_statistics(..., losses=False)``)."""
 
-    loss: torch.Tensor
-    lse: torch.Tensor
+    loss: torch.Tensor | None
+    lse: torch.Tensor | None
     logits_max: torch.Tensor
     sum_exp: torch.Tensor
     target_weight: torch.Tensor | None = None
     weight_sum: torch.Tensor | None = None
     shifted_sum: torch.Tensor | None = None
     exp2_sum: torch.Tensor | None = None
+    predicted: torch.Tensor | None = None
+    logit_sum: torch.Tensor | None = None
 
 
 def local_targets(
@@ -81,12 +85,14 @@ def forward_stats(
     )
 
 
-def reduce_statistics(stats: LocalStats, local_target: torch.Tensor, call: Call) -> RowStats:
+def reduce_statistics(
+    stats: LocalStats, local_target: torch.Tensor, call: Call, losses: bool = True
+) -> RowStats:
     """:class:`RowStats` from this rank's statistics: the MAX and the SUM all-reduce of
-    the group and the loss formula of the module docstring. ``local_target`` (of these
+    the group and (``losses``) the loss formula of the module docstring (else later, by
+    :func:`with_losses`, e.g. once for every chunk's rows). ``local_target`` (of these
     rows) picks the target's class weight where it is here."""
-    opts, cw = call.opts, call.class_weight
-    eps, vg = opts.label_smoothing, call.layout.global_size
+    cw = call.class_weight
     m, s, p, a = stats[:4]
     group = call.process_group
     extras = [] if stats.shifted_sum is None else [stats.shifted_sum, stats.exp2_sum]
@@ -119,8 +125,22 @@ def reduce_statistics(stats: LocalStats, local_target: torch.Tensor, call: Call)
         sum_exp, predicted, logit_sum = sums[0], sums[1], sums[2]
         target_weight = sums[3 + len(extras)] if cw is not None else None
         extras = list(sums[3 : 3 + len(extras)])
-    lse = torch.log(sum_exp) + logits_max
     shifted_sum, exp2_sum = extras if extras else (None, None)
+    token = RowStats(
+        None, None, logits_max, sum_exp, target_weight, weight_sum, shifted_sum, exp2_sum,
+        predicted, logit_sum,
+    )  # fmt: skip
+    return with_losses(token, call) if losses else token
+
+
+def with_losses(token: RowStats, call: Call) -> RowStats:
+    """``token`` with its log-normalisers ``lse`` and losses (the module docstring's
+    formula; elementwise, so the same for any cut of the rows)."""
+    opts, cw = call.opts, call.class_weight
+    eps, vg = opts.label_smoothing, call.layout.global_size
+    logits_max, predicted, logit_sum = token.logits_max, token.predicted, token.logit_sum
+    target_weight, weight_sum = token.target_weight, token.weight_sum
+    lse = torch.log(token.sum_exp) + logits_max
     if cw is None:
         loss = lse - predicted if not eps else lse - (1.0 - eps) * predicted
         if eps:
@@ -131,9 +151,7 @@ def reduce_statistics(stats: LocalStats, local_target: torch.Tensor, call: Call)
             loss = loss + (eps / vg) * (weight_sum * lse - logit_sum)
     if opts.z_loss:
         loss = loss + opts.z_loss * lse.square()
-    return RowStats(
-        loss, lse, logits_max, sum_exp, target_weight, weight_sum, shifted_sum, exp2_sum
-    )
+    return replace(token, loss=loss, lse=lse)
 
 
 def grad_terms(call: Call, lse: torch.Tensor, target_weight, weight_sum):

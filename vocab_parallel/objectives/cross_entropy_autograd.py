@@ -60,6 +60,7 @@ from vocab_parallel.objectives.cross_entropy import (
     gradient_terms,
     local_targets,
     reduce_statistics,
+    with_losses,
 )
 from vocab_parallel.parallel.collectives import world_size
 
@@ -201,17 +202,23 @@ class GradInForwardLinearCE(torch.autograd.Function):
         if mean and not post_scale:
             token_grad = token_grad / mean_denominator(token_grad)
 
-        fields = ("loss", "lse", "logits_max", "sum_exp")
+        # Each chunk's reduced sums, joined after the walk, where the loss formula runs
+        # once for every token (a chunk runs it only where G reads lse: z-loss, class
+        # weights): per chunk a GEMM and three kernels.
+        lse_in_g = bool(call.opts.z_loss) or call.class_weight is not None
+        fields = ("logits_max", "sum_exp", "predicted")
+        if call.opts.label_smoothing:
+            fields += ("logit_sum",)
         if call.class_weight is not None:
             fields += ("target_weight",)
-        parts = {k: [] for k in fields}  # each chunk's rows, joined after the walk
+        parts = {k: [] for k in fields}
         weight_sum = []
 
         def step(r0, r1, blocks, buffers):
             x_c, t_c = hidden[r0:r1], local_target[r0:r1]
             c_call = _chunk_call(call, r0, r1)
             stats = forward_stats(c_call, x_c, weight, bias, t_c, blocks[0])
-            token = reduce_statistics(stats, t_c, c_call)
+            token = reduce_statistics(stats, t_c, c_call, losses=lse_in_g)
             for k in fields:
                 parts[k].append(getattr(token, k))
             if token.weight_sum is not None:
@@ -230,6 +237,13 @@ class GradInForwardLinearCE(torch.autograd.Function):
             k: torch.cat(p) if p else torch.empty(bt, dtype=accum, device=hidden.device)
             for k, p in parts.items()
         }
+        token = RowStats(
+            None, None, per_token["logits_max"], per_token["sum_exp"],
+            per_token.get("target_weight"), weight_sum[0] if weight_sum else None,
+            predicted=per_token["predicted"], logit_sum=per_token.get("logit_sum"),
+        )  # fmt: skip
+        token = with_losses(token, call)
+        per_token["loss"], per_token["lse"] = token.loss, token.lse
         if call.class_weight is None:
             per_token["target_weight"] = (~ignored).to(accum)
         weights = per_token["target_weight"].masked_fill_(ignored, 0.0)

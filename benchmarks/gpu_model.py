@@ -309,6 +309,7 @@ def today_counts(row: Row):
             "stats": "token statistics (log-probs + entropy)",
             "forward_kl": "distillation, forward KL (dense teacher)",
             "jsd": "distillation, JSD (dense teacher)",
+            "forward_kl_ms": "distillation, forward KL, memory_saving",
         }.get(row.key)
         from benchmarks.launches import count_call
 
@@ -329,9 +330,8 @@ def _verdict(row: Row, ratio: float, mib: float) -> str:
 
 
 def report(row: Row, gpu: GPU, show_parts: bool) -> str:
-    unfused = row.plan == "kd_columns"  # memory-saving distillation: torch ops today
     shape = (row.tokens, row.hidden, row.vocab)
-    parts, peak, chunking = plan_parts(row.plan, *shape, not unfused, row.kept)
+    parts, peak, chunking = plan_parts(row.plan, *shape, True, row.kept)
     device = sum(p.ms(gpu) for p in parts)
     counts = today_counts(row)
     modelled = sum(p.launches for p in parts) + 6  # + the call's set-up and reduction
@@ -360,15 +360,6 @@ def report(row: Row, gpu: GPU, show_parts: bool) -> str:
         f"{launches} launches ({counted}){syncs}, {chunking}; target {row.target}: "
         + _verdict(row, ratio, mib),
     ]
-    if unfused:  # the plan's fused epilogue, one statistics pass and one G pass
-        fused, f_peak, _ = plan_parts(row.plan, row.tokens, row.hidden, row.vocab, True)
-        f_launches = sum(p.launches for p in fused) + 6
-        f_total = max(sum(p.ms(gpu) for p in fused), f_launches * gpu.host_us / 1e3)
-        f_mib = f_peak / (1 << 20)
-        lines.append(
-            f"  with a fused epilogue (not built): {f_total:.1f} ms = {f_total / ref:.2f}x, "
-            f"{f_mib:.0f} MiB extra, {f_launches} launches: " + _verdict(row, f_total / ref, f_mib)
-        )
     if show_parts:
         lines.append(f"  {'part':58s} {'GFLOP':>7s} {'GB':>7s} {'launches':>8s} {'ms':>7s}")
         for p in parts:

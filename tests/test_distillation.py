@@ -338,6 +338,11 @@ EPILOGUE = [
     DCase(**ODD, mode="high_performance", dtype=BF16, temperature="float", seed=85),
     DCase(**ODD, mode="grad_in_forward", dtype=torch.float16, divergence="reverse_kl",
           temperature="tensor", teacher_bias=True, seed=86),
+    # memory-saving mode: both heads' column chunks (128 columns: 4 of them at V = 389)
+    DCase(**ODD, mode="memory_saving", temperature="tensor", teacher_bias=True, seed=87),
+    DCase(**ODD, mode="memory_saving", dtype=BF16, divergence="jsd", beta=0.4,
+          temperature="float", bias=True, seed=88),
+    DCase(**ODD, mode="memory_saving", divergence="reverse_kl", reduction="sum", seed=89),
 ]  # fmt: skip
 
 
@@ -364,10 +369,15 @@ def test_triton_fused_epilogue(case, fused_launches, monkeypatch):
     from vocab_parallel.engine import memory_policy as memory
 
     rows = 5 if case.mode == "grad_in_forward" else case.tokens
+    workspace = rows * 8 * case.vocab
+    if case.mode == "memory_saving":  # both heads' fp32 [tokens, 128] in half of it
+        workspace = 16 * case.tokens * 128
     for device_type in {"cpu", device_for("triton").type}:
-        monkeypatch.setitem(memory.WORKSPACE_BYTES, device_type, rows * 8 * case.vocab)
+        monkeypatch.setitem(memory.WORKSPACE_BYTES, device_type, workspace)
     assert check(case) == []
     chunks = -(-case.tokens // rows)
+    if case.mode == "memory_saving":  # column chunks, each walk
+        chunks = -(-case.vocab // 128)
     assert fused_launches["divergence_stats"] == chunks
     assert fused_launches["divergence_grad"] == chunks
     assert fused_launches.get("divergence_second", 0) == (chunks if case.divergence == "jsd" else 0)
@@ -761,7 +771,9 @@ def test_every_rank_matches_the_unsharded_reference(world):
 def _fused_on_two_ranks(group):
     errors = []
     # Shards of 195/194 and 34/33 columns; the JSD's second pass.
-    for case in (FUSED[0], FUSED[5], replace(FUSED[1], vocab=67), replace(FUSED[12], vocab=67)):
+    cases = [FUSED[0], FUSED[5], replace(FUSED[1], vocab=67), replace(FUSED[12], vocab=67)]
+    cases += [EPILOGUE[-3], EPILOGUE[-2]]  # the fused epilogue over column chunks
+    for case in cases:
         errors += check(case, group)
     return errors
 

@@ -32,6 +32,7 @@ BF16 = torch.bfloat16
 CE = dict(tokens=8192, hidden=4096, vocab=128256)
 STATS = dict(tokens=4096, hidden=4096, vocab=128256)
 GOAL = dict(per_chunk=6, per_call=64)
+KD_MS = "distillation, forward KL, memory_saving"
 # Launches per call today (forward + backward), the ceilings of this test.
 CEILINGS = {
     "cross entropy, auto (grad_in_forward)": 77,
@@ -40,6 +41,7 @@ CEILINGS = {
     "token statistics (log-probs + entropy)": 103,
     "distillation, forward KL (dense teacher)": 110,
     "distillation, JSD (dense teacher)": 115,
+    "distillation, forward KL, memory_saving": 196,
 }
 
 
@@ -63,13 +65,13 @@ def _stats():
     (s.logprobs.sum() + s.entropy.sum()).backward()
 
 
-def _distill(divergence, shape=STATS):
+def _distill(divergence, mode="auto", shape=STATS):
     def call():
         x, w, _ = _inputs(**shape)
         xt, wt, _ = _inputs(**shape, grad=False)
         vp.vocab_parallel_distillation_loss(
             x, w, teacher_hidden=xt, teacher_weight=wt, divergence=divergence,
-            backend="triton",
+            backend="triton", mode=mode,
         ).backward()  # fmt: skip
 
     return call
@@ -82,6 +84,7 @@ CALLS = {
     "token statistics (log-probs + entropy)": (_stats, STATS, None),
     "distillation, forward KL (dense teacher)": (_distill("forward_kl"), STATS, 2),
     "distillation, JSD (dense teacher)": (_distill("jsd"), STATS, 2),
+    KD_MS: (_distill("forward_kl", "memory_saving"), STATS, None),
 }
 
 
@@ -96,7 +99,12 @@ def test_launches_and_syncs_of_one_call(name):
         assert chunks > 1 and counts.by_op["triton:divergence_grad_kernel"] == chunks
         second = counts.by_op["triton:divergence_second_kernel"]
         assert second == (chunks if "JSD" in name else 0)
-    if name.endswith(("memory_saving", "entropy)")):  # recomputed column chunks: a GEMM
+    if name == KD_MS:  # column chunks of both heads:
+        # the fused epilogue's statistics forward and G backward, one launch each a chunk
+        chunks = counts.by_op["triton:divergence_stats_kernel"]
+        assert chunks > 1 and counts.by_op["triton:divergence_grad_kernel"] == chunks
+        assert counts.by_op["mm.dtype"] == 4 * chunks  # each head's GEMM, each way
+    elif name.endswith(("memory_saving", "entropy)")):  # recomputed column chunks: a GEMM
         # with fp32 output each, its statistics and its G over it; no tile GEMM kernel
         chunks = counts.by_op["triton:forward_stats_kernel"]
         assert chunks > 1 and counts.by_op["triton:logits_grad_rows_kernel"] == chunks
@@ -126,8 +134,8 @@ def test_launches_and_syncs_of_one_call(name):
 
 @pytest.mark.parametrize(
     ("make", "shape", "heads"),
-    [(lambda s: _ce("auto", s), CE, 1), (lambda s: _distill("forward_kl", s), STATS, 2),
-     (lambda s: _distill("jsd", s), STATS, 2)],
+    [(lambda s: _ce("auto", s), CE, 1), (lambda s: _distill("forward_kl", shape=s), STATS, 2),
+     (lambda s: _distill("jsd", shape=s), STATS, 2)],
     ids=["cross_entropy", "forward_kl", "jsd"],
 )  # fmt: skip
 def test_launches_per_token_chunk(make, shape, heads):

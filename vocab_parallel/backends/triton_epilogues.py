@@ -1,8 +1,8 @@
 """Launchers of the Triton backend's fused objective epilogues (``vocab_parallel.kernels``):
 validate, allocate, launch. Today the distillation against a dense teacher
 (``vocab_parallel.kernels.divergence``): its statistics, the JSD's second sums and ``G``
-over whole kept fp32 blocks of both heads' logits, one launch each per token chunk,
-where the torch epilogue issues some forty ops per column chunk.
+over both heads' fp32 logits (whole kept token chunks, or column chunks), one launch
+each per chunk, where the torch epilogue issues some forty ops per column chunk.
 
 Each takes the heads' untempered fp32 logits ``s`` (the student's) and ``t`` ``[N, V]``
 (rows of contiguous columns) and the per-row inverse temperature (None: 1). Knows nothing

@@ -99,12 +99,13 @@ class HeadChunks:
         for v0, v1, zs in self.walk():
             yield v0, v1, [z[rows] for z in zs]
 
-    def walk(self) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
-        """``(v0, v1, logits)`` of every chunk in column order (the first walk fills kept
-        blocks)."""
+    def walk(self, width: int | None = None) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
+        """``(v0, v1, logits)`` of every chunk in column order, ``width`` columns each (by
+        default the walker's; the first walk fills kept blocks)."""
+        width = width or self.width
         if self.rows and self.v:
-            for v0 in range(0, self.v, self.width):
-                v1 = min(self.v, v0 + self.width)
+            for v0 in range(0, self.v, width):
+                v1 = min(self.v, v0 + width)
                 yield v0, v1, self.chunk(v0, v1)
         self.filled = self.kept is not None
 

@@ -52,6 +52,23 @@ class Online:
         online.m, online.s, online.extra = m, s, list(extra)
         return online
 
+    @classmethod
+    def merged(cls, parts: list[Online]) -> Online:
+        """One running statistic of column chunks' ``parts`` (made apart, each over its own
+        columns): the max over them, each part's sums moved to it and added in order,
+        vectorised over the parts (a handful of launches, however many parts)."""
+        if len(parts) == 1:
+            return parts[0]
+        m = torch.stack([p.m for p in parts])
+        top = m.amax(dim=0)
+        decay = torch.exp(m - top)  # the parts' maxima are finite: no NaN
+
+        def added(rows: list[torch.Tensor]) -> torch.Tensor:
+            return (torch.stack(rows) * decay).sum(dim=0)
+
+        extras = [added([p.extra[i] for p in parts]) for i in range(len(parts[0].extra))]
+        return cls.of(top, added([p.s for p in parts]), *extras)
+
     def rescaled(self, shift: torch.Tensor) -> list[torch.Tensor]:
         decay = torch.exp(self.m - shift)
         return [self.s * decay] + [t * decay for t in self.extra]

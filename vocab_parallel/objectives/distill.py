@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from vocab_parallel.engine import memory_policy as memory
 from vocab_parallel.engine.epilogue import Epilogue, Local, Scratch, add_at, chunk_mask, cut, pick
 from vocab_parallel.engine.online import Online, weighted_sum
 
@@ -78,13 +79,12 @@ class Divergence(Epilogue):
 
     def _fusable(self, chunks) -> bool:
         """Whether the backend's fused epilogue runs (the Triton backend's:
-        ``docs/design.md``, "Distillation"): kept fp32 blocks of both heads
-        (grad_in_forward's token chunk, high-performance mode), a dense teacher, no
-        hard-label term, no softcap."""
+        ``docs/design.md``, "Distillation"): a dense teacher, no hard-label term, no
+        softcap; over kept fp32 blocks of both heads (grad_in_forward's token chunk,
+        high-performance mode) or both heads' column chunks (memory-saving mode)."""
         spec = self.spec
         return (
             chunks.backend.epilogues is not None
-            and chunks.kept is not None
             and not spec.sparse
             and not spec.ce
             and chunks.logits.softcap is None
@@ -93,27 +93,44 @@ class Divergence(Epilogue):
             and chunks.v > 0
         )
 
+    def _blocks(self, chunks):
+        """The fused kernels' blocks: ``[(s, t)]`` of the kept blocks (each head's logits
+        by one GEMM), else each column chunk's, both heads' fp32 blocks within the
+        workspace's "logits" share (the kernels need no temporaries)."""
+        if chunks.kept is not None:
+            return [chunks.whole()]
+        return (zs for _, _, zs in chunks.walk(self._fused_width(chunks)))
+
+    def _fused_width(self, chunks) -> int:
+        if chunks.kept is not None:
+            return chunks.v
+        device_type = chunks.heads[0][0].device.type
+        return memory.columns(chunks.rows, chunks.v, device_type, "logits", blocks=2)
+
     def local_of(self, chunks) -> Local:
         self.fused = self._fusable(chunks)
         if not self.fused:
             return super().local_of(chunks)
         self.dtype = chunks.heads[0][0].dtype  # G's: the student's inputs
         self.kernels = chunks.backend.epilogues
-        s, t = chunks.whole()  # each head's logits by one GEMM, kept
-        div = self.spec.divergence
-        m_s, s_s, a_s, m_t, s_t, a_t = self.kernels.divergence_stats(div, s, t, self.inv_t)
-        stu = Online.of(m_s, s_s, *([a_s] if div == "reverse_kl" else []))
-        tea = Online.of(m_t, s_t, *([a_t] if div == "forward_kl" else []))
-        return Local([stu, tea], [], None)
+        div, stu, tea = self.spec.divergence, [], []
+        for s, t in self._blocks(chunks):
+            m_s, s_s, a_s, m_t, s_t, a_t = self.kernels.divergence_stats(div, s, t, self.inv_t)
+            stu.append(Online.of(m_s, s_s, *([a_s] if div == "reverse_kl" else [])))
+            tea.append(Online.of(m_t, s_t, *([a_t] if div == "forward_kl" else [])))
+        return Local([Online.merged(stu), Online.merged(tea)], [], None)
 
     def second_of(self, chunks, terms):
         if not (self.fused and self.spec.divergence == "jsd"):
             return super().second_of(chunks, terms)
-        s, t = chunks.whole()
-        return self.kernels.divergence_second(s, t, self.inv_t, terms.ls, terms.lt, self.spec.beta)
+        out = None
+        for s, t in self._blocks(chunks):
+            k = self.kernels.divergence_second(s, t, self.inv_t, terms.ls, terms.lt, self.spec.beta)
+            out = k if out is None else out.add_(k)
+        return out
 
     def gradient_width(self, chunks) -> int:
-        return chunks.v if self.fused else chunks.width
+        return self._fused_width(chunks) if self.fused else chunks.width
 
     def operands(self, x, weight, bias):
         t = self.teacher

@@ -35,14 +35,27 @@ GOAL = dict(per_chunk=6, per_call=64)
 KD_MS = "distillation, forward KL, memory_saving"
 # Launches per call today (forward + backward), the ceilings of this test.
 CEILINGS = {
-    "cross entropy, auto (grad_in_forward)": 77,
-    "cross entropy, memory_saving": 152,
+    "cross entropy, auto (grad_in_forward)": 69,
+    "cross entropy, memory_saving": 151,
     "cross entropy, high_performance": 73,
     "token statistics (log-probs + entropy)": 103,
     "distillation, forward KL (dense teacher)": 110,
     "distillation, JSD (dense teacher)": 115,
     "distillation, forward KL, memory_saving": 196,
 }
+
+
+def make_constants() -> None:
+    """A device constant made once a process (the G kernels' 1.0) is no call's launch:
+    made before counting, so every count is the same alone or after the others."""
+    from vocab_parallel.backends import triton_backend
+
+    triton_backend._one(torch.device("meta"))
+
+
+@pytest.fixture(autouse=True)
+def _constants_made():
+    make_constants()
 
 
 def _inputs(tokens, hidden, vocab, grad=True):
@@ -153,7 +166,6 @@ def test_launches_per_token_chunk(make, shape, heads):
     assert memory.keeps_g(twice["tokens"], shape["vocab"], 1, shape["hidden"], 2, "cuda")
     added = chunks(twice["tokens"]) - chunks(shape["tokens"])
     assert added > 0
-    count_call(make(shape))  # once made, a constant is not made again (the G's 1.0)
     per_chunk = (count_call(make(twice)).launches - count_call(make(shape)).launches) / added
     if heads == 1:
         assert per_chunk == 4 <= GOAL["per_chunk"]

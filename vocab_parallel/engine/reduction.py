@@ -112,4 +112,4 @@ def mean_denominator(target_weight: torch.Tensor) -> torch.Tensor:
     """What a mean divides by: the targets' weights summed (the count of non-ignored
     tokens without class weights), 1 where that is 0 (an all-ignored batch gives 0)."""
     total = target_weight.sum()
-    return torch.where(total != 0, total, torch.ones_like(total))
+    return torch.where(total != 0, total, 1.0)

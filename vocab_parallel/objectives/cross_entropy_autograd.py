@@ -196,11 +196,14 @@ class GradInForwardLinearCE(torch.autograd.Function):
         # (whose mean's denominator is only known after the chunks) and fp16 (whose narrow
         # range would flush small probabilities / count) form G with 1 and apply the mean's
         # 1 / denominator to the fp32 results.
-        token_grad = (~ignored).to(accum)
+        counted = (~ignored).to(accum)  # 1 where a token counts, 0 where ignored
+        token_grad = counted
         mean = call.opts.reduction == "mean"
         post_scale = mean and (call.class_weight is not None or hidden.dtype == torch.float16)
-        if mean and not post_scale:
-            token_grad = token_grad / mean_denominator(token_grad)
+        denominator = None
+        if mean and not post_scale:  # (without class weights: the weights' own, below)
+            denominator = mean_denominator(counted)
+            token_grad = token_grad / denominator
 
         # Each chunk's reduced sums, joined after the walk, where the loss formula runs
         # once for every token (a chunk runs it only where G reads lse: z-loss, class
@@ -244,12 +247,14 @@ class GradInForwardLinearCE(torch.autograd.Function):
         )  # fmt: skip
         token = with_losses(token, call)
         per_token["loss"], per_token["lse"] = token.loss, token.lse
-        if call.class_weight is None:
-            per_token["target_weight"] = (~ignored).to(accum)
-        weights = per_token["target_weight"].masked_fill_(ignored, 0.0)
+        if call.class_weight is None:  # (its own tensor: returned, token_grad saved)
+            weights = counted.clone() if token_grad is counted else counted
+        else:
+            weights = per_token["target_weight"].masked_fill_(ignored, 0.0)
         loss = per_token["loss"].masked_fill_(ignored, 0.0).sum()
         if mean:
-            denominator = mean_denominator(weights)
+            if denominator is None:
+                denominator = mean_denominator(weights)
             loss = loss / denominator
             if post_scale:
                 token_grad = token_grad / denominator

@@ -170,6 +170,7 @@ RECORDED = {
     "forward_stats": "meta",
     "logits_grad": "meta",
     "logits_grad_rows": "rows_meta",
+    "stats_merge": "merge_meta",
     "divergence_stats": "stats_meta",
     "divergence_second": "second_meta",
     "divergence_grad": "grad_meta",
@@ -179,7 +180,7 @@ RECORDED = {
 def _variant_name(module_name: str, kernel) -> str:
     """The recorded name of a listed variant's kernel."""
     name = getattr(kernel, "__name__", "").removesuffix("_kernel")
-    if module_name == "divergence" or name == "logits_grad_rows":
+    if module_name == "divergence" or name in ("logits_grad_rows", "stats_merge"):
         return name  # a module of several kernels: each its own meta function
     return module_name
 
@@ -220,6 +221,7 @@ def run_cases(job: tuple[list[dict], str]) -> tuple[list[dict], list]:
     _recording(forward, "forward_stats", seen)
     _recording(backward, "logits_grad", seen)
     _recording(backward, "logits_grad_rows", seen)
+    _recording(forward, "stats_merge", seen)
     for name in ("divergence_stats", "divergence_second", "divergence_grad"):
         _recording(divergence, name, seen)
     from vocab_parallel.backends import triton_backend

@@ -210,8 +210,9 @@ def stats_merge_kernel(
 MERGE_BLOCK = 512  # rows per program of stats_merge_kernel (4 warps)
 
 
-def merge_meta(extra_stats: bool) -> dict:
-    """Constexprs and launch options of a :func:`stats_merge_kernel` launch."""
+def merge_meta(dtype: torch.dtype, extra_stats: bool) -> dict:
+    """Constexprs and launch options of a :func:`stats_merge_kernel` launch (``dtype``: the
+    partials', fp32)."""
     return dict(EXTRA_STATS=extra_stats, BLOCK=MERGE_BLOCK, num_warps=4, num_stages=1)
 
 
@@ -277,5 +278,5 @@ def launch_variants(capability: tuple[int, int]) -> list[tuple[object, torch.dty
                           from_logits)  # fmt: skip
                 variants.append((forward_stats_kernel, dtype, kw))
     for extra in (False, True):  # the splits' merge reads fp32 partials: listed once
-        variants.append((stats_merge_kernel, torch.float32, merge_meta(extra)))
+        variants.append((stats_merge_kernel, torch.float32, merge_meta(torch.float32, extra)))
     return variants

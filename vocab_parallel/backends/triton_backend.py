@@ -186,7 +186,7 @@ def merge_splits(part: torch.Tensor, extra_stats: bool) -> torch.Tensor:
     part = part.contiguous()
     out = torch.empty((k, bt), dtype=torch.float32, device=part.device)
     if bt:
-        meta = forward.merge_meta(extra_stats)
+        meta = forward.merge_meta(torch.float32, extra_stats)
         grid = (triton.cdiv(bt, meta["BLOCK"]),)
         forward.stats_merge_kernel[grid](part, out, bt, splits, **meta)
     return out

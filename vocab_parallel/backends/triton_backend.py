@@ -71,9 +71,17 @@ def num_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
     return max(1, min(n_tiles, triton.cdiv(programs, n_row_blocks)))
 
 
-@functools.cache
 def _one(device: torch.device) -> torch.Tensor:
-    """A read-only fp32 ``[1]`` tensor of 1.0 on ``device``, made once (no launch a call)."""
+    """A read-only fp32 ``[1]`` tensor of 1.0 on ``device``, made once a process (no
+    launch a call); while a CUDA graph is being captured, the graph's own (a tensor made
+    in its pool must not outlive it)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.ones(1, dtype=torch.float32, device=device)
+    return _made_once(device)
+
+
+@functools.cache
+def _made_once(device: torch.device) -> torch.Tensor:
     return torch.ones(1, dtype=torch.float32, device=device)
 
 

@@ -83,19 +83,23 @@ def test_cross_entropy_alone_equals_the_group_path(backend, mode, options, as_if
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_token_statistics_alone_equal_the_group_path(backend, as_if_grouped):
+@pytest.mark.parametrize("sampler", [{}, dict(sample_top_k=7, sample_top_p=0.9)],
+                         ids=["plain", "sampling_replay"])  # fmt: skip
+def test_token_statistics_alone_equal_the_group_path(backend, sampler, as_if_grouped):
     dev = device_for(backend)
     x, w, y, bias, _ = _problem(dev)
-
     g = torch.Generator().manual_seed(3)
     up = torch.randn(2, x.shape[0], generator=g).to(dev)  # random upstream gradients
 
     def run():
         leaf = x.clone().requires_grad_(True)
         s = vp.vocab_parallel_token_stats(
-            leaf, w, y, bias=bias, entropy=True, sum_p_squared=True, temperature=0.7,
-            backend=backend,
+            leaf, w, y, bias=bias, entropy=not sampler, sum_p_squared=not sampler,
+            temperature=0.7, backend=backend, **sampler,
         )  # fmt: skip
+        if sampler:  # the truncated distribution's log-probs (an epilogue's statistics)
+            (s.logprobs * up[0]).sum().backward()
+            return [s.logprobs, s.kept_logmass, leaf.grad]
         ((s.logprobs * up[0]).sum() + (s.entropy * up[1]).sum()).backward()
         return [s.logprobs, s.entropy, s.sum_p_squared, leaf.grad]
 

@@ -104,8 +104,9 @@ class Divergence(Epilogue):
     def _fused_width(self, chunks) -> int:
         if chunks.kept is not None:
             return chunks.v
-        device_type = chunks.heads[0][0].device.type
-        return memory.columns(chunks.rows, chunks.v, device_type, "logits", blocks=2)
+        x = chunks.heads[0][0]  # both heads' fp32 blocks, and grad_weight's fp32 rows
+        return memory.columns(chunks.rows, chunks.v, x.device.type, "logits", h=x.shape[1],
+                              blocks=2)  # fmt: skip
 
     def local_of(self, chunks) -> Local:
         self.fused = self._fusable(chunks)

@@ -157,8 +157,9 @@ class Epilogue:
         """Per-token sums ``[Q, N]`` of a second walk that needs ``terms`` (None: none)."""
         return None
 
-    # An objective with a fused epilogue of its own (its kernels over whole kept blocks)
-    # overrides these three; by default they walk the chunks with the methods above.
+    # An objective with a fused epilogue of its own (its kernels over kept blocks or
+    # column chunks) overrides these three; by default they walk the chunks with the
+    # methods above.
 
     def local_of(self, chunks: HeadChunks) -> Local:
         """This rank's statistics of ``chunks``: :meth:`local` over its walk."""

@@ -10,7 +10,7 @@ chunk's ``G``. What becomes of ``G`` is the memory policy's choice
     accumulated   (CPUs; GPUs where G would be larger) the two gradient products of each
                   chunk into the walker's fp32 accumulators, in the forward; the backward
                   multiplies them by ``g`` and rounds them once (:class:`Accumulated`)
-    kept G        (GPUs, half inputs, where G is no larger than those accumulators) G of
+    kept G        (GPUs, half inputs, where G is at most twice those accumulators) G of
                   every token kept in the inputs' dtype; the backward makes the two
                   products of the whole G once, times ``g`` (:class:`KeptG`): no fp32
                   ``[V, H]`` accumulator read and written by every chunk's GEMM

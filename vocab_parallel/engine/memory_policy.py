@@ -83,7 +83,7 @@ def token_rows(
     inputs (``itemsize`` < 4) at least the bytes of the gradients the call hands back
     (:func:`returned_bytes`): the hand-out makes them from their fp32 accumulators while
     those still live, so kept blocks up to that size raise no peak of the call."""
-    share = max(1, -(-global_size // max(1, world)))
+    share = even_share(global_size, world)
     per_row = 4 * max(1, heads) * share
     budget = workspace_bytes(device_type)
     if device_type != "cpu" and itemsize < 4:
@@ -117,10 +117,15 @@ def keeps_g(
     vocabulary)."""
     if device_type == "cpu" or itemsize >= 4:
         return False
-    share = max(1, -(-global_size // max(1, world)))
+    share = even_share(global_size, world)
     accumulators = 4 * (share + tokens) * hidden
     room = max(KEPT_G_RATIO * accumulators, workspace_bytes(device_type))
     return itemsize * tokens * share <= room
+
+
+def even_share(global_size: int, world: int) -> int:
+    """A rank's even share of the vocabulary (at least 1): what every rank sizes from."""
+    return max(1, -(-global_size // max(1, world)))
 
 
 def returned_bytes(tokens: int, share: int, hidden: int, itemsize: int) -> int:

@@ -206,12 +206,14 @@ class GradInForwardLinearCE(torch.autograd.Function):
             token_grad = token_grad / denominator
 
         # Each chunk's reduced sums, joined after the walk, where the loss formula runs
-        # once for every token (a chunk runs it only where G reads lse: z-loss, class
-        # weights): per chunk a GEMM and three kernels.
+        # once for every token: per chunk a GEMM and three kernels. Where G reads lse
+        # (z-loss, class weights) each chunk runs the formula and keeps loss and lse.
         lse_in_g = bool(call.opts.z_loss) or call.class_weight is not None
-        fields = ("logits_max", "sum_exp", "predicted")
-        if call.opts.label_smoothing:
-            fields += ("logit_sum",)
+        fields = ("logits_max", "sum_exp")
+        if lse_in_g:
+            fields += ("loss", "lse")
+        else:
+            fields += ("predicted", "logit_sum") if call.opts.label_smoothing else ("predicted",)
         if call.class_weight is not None:
             fields += ("target_weight",)
         parts = {k: [] for k in fields}
@@ -240,13 +242,14 @@ class GradInForwardLinearCE(torch.autograd.Function):
             k: torch.cat(p) if p else torch.empty(bt, dtype=accum, device=hidden.device)
             for k, p in parts.items()
         }
-        token = RowStats(
-            None, None, per_token["logits_max"], per_token["sum_exp"],
-            per_token.get("target_weight"), weight_sum[0] if weight_sum else None,
-            predicted=per_token["predicted"], logit_sum=per_token.get("logit_sum"),
-        )  # fmt: skip
-        token = with_losses(token, call)
-        per_token["loss"], per_token["lse"] = token.loss, token.lse
+        if not lse_in_g:  # the loss formula, once for every token
+            token = RowStats(
+                None, None, per_token["logits_max"], per_token["sum_exp"],
+                per_token.get("target_weight"), weight_sum[0] if weight_sum else None,
+                predicted=per_token["predicted"], logit_sum=per_token.get("logit_sum"),
+            )  # fmt: skip
+            token = with_losses(token, call)
+            per_token["loss"], per_token["lse"] = token.loss, token.lse
         if call.class_weight is None:  # (its own tensor: returned, token_grad saved)
             weights = counted.clone() if token_grad is counted else counted
         else:

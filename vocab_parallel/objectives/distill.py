@@ -75,7 +75,7 @@ class Divergence(Epilogue):
         self.accum = accum
         self.heads, self.tmp = 1 if spec.sparse else 2, Scratch()
 
-    fused = False  # set by local_of: this epilogue's kernels over whole kept blocks
+    fused = False  # set by local_of: this epilogue's kernels run (:meth:`_fusable`)
 
     def _fusable(self, chunks) -> bool:
         """Whether the backend's fused epilogue runs (the Triton backend's:
@@ -232,8 +232,8 @@ class Divergence(Epilogue):
         return self.gradient(terms, v0, v1, logits, grad)
 
     def _fused_gradient(self, terms: Terms, logits, grad, out=None):
-        """The whole block's ``G`` by one kernel (no hard-label term, no cap), into ``out``
-        where given."""
+        """``G`` of the chunk's columns (``logits``: both heads' blocks) by one kernel (no
+        hard-label term, no cap), into ``out`` where given."""
         c = grad if self.inv_t is None else grad * self.inv_t
         beta = self.spec.beta if self.spec.divergence == "jsd" else 0.5
         return self.kernels.divergence_grad(
